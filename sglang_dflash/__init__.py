@@ -1,0 +1,3 @@
+"""DFlash block-diffusion speculative decoding for SGLang."""
+
+__version__ = "0.1.0"

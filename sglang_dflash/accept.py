@@ -1,0 +1,54 @@
+"""Acceptance rules for one verified block, shared by every backend.
+
+Shapes: b requests, B block size; a block is [bonus, d_1 … d_{B-1}], so there are
+B-1 draft tokens and B target distributions (one per block position; the last
+one predicts the token after d_{B-1}).
+Both rules return (accept_len [b], next_token [b]): the first accept_len draft
+tokens are kept and next_token (the target's own token) follows them, so a
+step commits accept_len + 1 tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor):
+    """Longest prefix where d_i equals the target's argmax at i-1, plus the target's next token.
+
+    draft_tokens [b, B-1] int; target_logits [b, B, V].
+    """
+    target_tokens = target_logits.argmax(-1)  # [b, B]
+    match = draft_tokens == target_tokens[:, :-1]  # [b, B-1]
+    accept_len = match.int().cumprod(-1).sum(-1)  # [b]
+    next_token = target_tokens.gather(1, accept_len[:, None]).squeeze(1)
+    return accept_len, next_token
+
+
+def accept_sampled(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                   generator: torch.Generator | None = None):
+    """Speculative rejection sampling: the committed tokens are distributed exactly as the target's.
+
+    draft_tokens [b, B-1], sampled from draft_probs q [b, B-1, V];
+    target_probs p [b, B, V] (after the request's temperature / top-k / top-p).
+    d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the
+    replacement is drawn from normalize(max(0, p_i - q_i)); if all are accepted the next token
+    is drawn from p_B.
+    """
+    b, n = draft_tokens.shape
+    idx = draft_tokens[..., None]
+    p_d = target_probs[:, :-1].gather(-1, idx).squeeze(-1)  # [b, B-1]
+    q_d = draft_probs.gather(-1, idx).squeeze(-1)
+    u = torch.rand(b, n, generator=generator, device=draft_tokens.device, dtype=p_d.dtype)
+    accepted = u * q_d < p_d  # u < p/q without dividing by q
+    accept_len = accepted.int().cumprod(-1).sum(-1)  # [b]
+
+    q_full = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)  # [b, B, V]; q_B = 0
+    pick = accept_len[:, None, None].expand(-1, 1, target_probs.shape[-1])
+    p_at = target_probs.gather(1, pick).squeeze(1)  # [b, V]
+    residual = (p_at - q_full.gather(1, pick).squeeze(1)).clamp_min(0)
+    # A residual that sums to zero means p == q there, where rejection has probability 0; use p.
+    empty = residual.sum(-1, keepdim=True) <= 0
+    residual = torch.where(empty, p_at, residual)
+    next_token = torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator).squeeze(1)
+    return accept_len, next_token

@@ -1,0 +1,58 @@
+"""Shared fixtures: offline target models (cached outside the repository), prompts, drafts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_dflash.cpu.runtime import cache_dir
+from sglang_dflash.targets import prepare_target
+
+DATA = Path(__file__).parent / "data"
+# Block ids for random drafts: SmolLM2 has no unused embedding row, so its drafts use
+# a special token that chat text never contains (16 = "<empty_output>"); Qwen3's
+# mask is the first row after its special tokens, as in the published drafts.
+MASK_TOKEN = {"smollm2": 16, "tiny-qwen3": 151669}
+
+
+def fixture_dir() -> Path:
+    return cache_dir() / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return prepare_target("smollm2", fixture_dir() / "smollm2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_path() -> Path:
+    return prepare_target("tiny-qwen3", fixture_dir() / "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[dict]:
+    return [json.loads(line) for line in (DATA / "prompts.jsonl").read_text().splitlines()]
+
+
+def load_target(path: Path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    return model, tok
+
+
+def chat_ids(tok, prompt: str) -> list[int]:
+    return list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_dict=True)["input_ids"])
+
+
+@pytest.fixture(scope="session", params=["smollm2", "tiny-qwen3"])
+def target(request):
+    """(name, HF float32 model, tokenizer) for each offline target."""
+    path = request.getfixturevalue("smollm2_path" if request.param == "smollm2" else "tiny_qwen3_path")
+    model, tok = load_target(path)
+    return request.param, model, tok

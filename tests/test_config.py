@@ -1,0 +1,124 @@
+import json
+
+import pytest
+import torch
+
+from sglang_dflash.config import DraftConfig, DraftConfigError, default_target_layer_ids, draft_config_for_target
+from sglang_dflash.models.reference import DFlashDraftModel
+
+# The config of z-lab/Qwen3-8B-DFlash-b16 as public fixtures reproduce it.
+PUBLISHED = {
+    "model_type": "qwen3", "architectures": ["DFlashDraftModel"],
+    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+    "block_size": 16, "num_target_layers": 36,
+    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 5,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000, "max_position_embeddings": 40960,
+}
+QWEN3_8B = {"hidden_size": 4096, "num_hidden_layers": 36, "vocab_size": 151936}
+
+
+def test_published_config_parses_and_round_trips(tmp_path):
+    cfg = DraftConfig.from_dict(PUBLISHED)
+    assert cfg.target_layer_ids == [1, 9, 17, 25, 33] and cfg.mask_token_id == 151669 and cfg.head_dim == 128
+    cfg.check_target(QWEN3_8B, num_draft_tokens=16)
+    cfg.save(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    for key, value in PUBLISHED.items():
+        assert written[key] == value, key
+    assert DraftConfig.from_pretrained(tmp_path) == cfg
+
+
+def test_default_layer_rule_matches_published_draft():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+
+
+def _error(match, **changes):
+    d = json.loads(json.dumps(PUBLISHED))
+    for key, value in changes.items():
+        if key in ("mask_token_id", "target_layer_ids"):
+            if value is None:
+                d["dflash_config"].pop(key)
+            else:
+                d["dflash_config"][key] = value
+        else:
+            d[key] = value
+    with pytest.raises(DraftConfigError, match=match):
+        DraftConfig.from_dict(d)
+
+
+def test_config_errors_name_the_problem():
+    _error("mask_token_id is missing", mask_token_id=None)
+    _error("mask_token_id 200000 is outside", mask_token_id=200000)
+    _error(r"target_layer_ids \[36\] are out of range", target_layer_ids=[1, 36])
+    _error("block_size 1 is too small", block_size=1)
+    _error("not a multiple of num_key_value_heads", num_key_value_heads=5)
+    with pytest.raises(DraftConfigError, match="no 'dflash_config'"):
+        DraftConfig.from_dict({k: v for k, v in PUBLISHED.items() if k != "dflash_config"})
+
+
+def test_target_mismatch_errors_name_the_problem():
+    cfg = DraftConfig.from_dict(PUBLISHED)
+    with pytest.raises(DraftConfigError, match="hidden_size 4096 does not match the target's 2048"):
+        cfg.check_target({**QWEN3_8B, "hidden_size": 2048})
+    with pytest.raises(DraftConfigError, match="vocab_size 151936 does not match the target's vocabulary 49152"):
+        cfg.check_target({**QWEN3_8B, "vocab_size": 49152})
+    with pytest.raises(DraftConfigError, match="built for a 36-layer target, this target has 28"):
+        cfg.check_target({**QWEN3_8B, "num_hidden_layers": 28})
+    with pytest.raises(DraftConfigError, match="--speculative-num-draft-tokens 8 does not match the draft's block_size 16"):
+        cfg.check_target(QWEN3_8B, num_draft_tokens=8)
+
+
+def test_path_errors(tmp_path):
+    with pytest.raises(DraftConfigError, match="is not a directory"):
+        DraftConfig.from_pretrained(tmp_path / "nope")
+    with pytest.raises(DraftConfigError, match="has no config.json"):
+        DraftConfig.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(DraftConfigError, match="is not valid JSON"):
+        DraftConfig.from_pretrained(tmp_path)
+
+
+def _small_cfg(**kw):
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=100, block_size=4, num_target_layers=6,
+                target_layer_ids=[1, 3], mask_token_id=99)
+    base.update(kw)
+    return DraftConfig(**base)
+
+
+def test_save_load_round_trip_and_weight_errors(tmp_path):
+    model = DFlashDraftModel.random(_small_cfg(), seed=3)
+    model.save_pretrained(tmp_path / "d")
+    loaded = DFlashDraftModel.from_pretrained(tmp_path / "d")
+    assert loaded.config == model.config
+    for (n1, p1), (n2, p2) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2)
+    names = set(model.state_dict())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight",
+            "layers.0.mlp.gate_proj.weight"} <= names
+    assert model.state_dict()["fc.weight"].shape == (64, 2 * 64)
+    # a bf16 checkpoint loads in float32 (the server's dtype, whatever the file's)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert next(DFlashDraftModel.from_pretrained(tmp_path / "bf16", dtype=torch.float32).parameters()).dtype == torch.float32
+
+    with pytest.raises(DraftConfigError, match="no \\*.safetensors weights"):
+        _small_cfg().save(tmp_path / "noweights")
+        DFlashDraftModel.from_pretrained(tmp_path / "noweights")
+    _small_cfg(num_hidden_layers=3).save(tmp_path / "d")  # config now claims a third layer
+    with pytest.raises(DraftConfigError, match="missing \\['layers.2"):
+        DFlashDraftModel.from_pretrained(tmp_path / "d")
+    _small_cfg(intermediate_size=96).save(tmp_path / "d")
+    with pytest.raises(DraftConfigError, match=r"layers\.0\.mlp\.gate_proj\.weight has shape \(128, 64\), its config implies \(96, 64\)"):
+        DFlashDraftModel.from_pretrained(tmp_path / "d")
+
+
+def test_draft_config_for_target(smollm2_path):
+    from transformers import AutoConfig
+
+    t = AutoConfig.from_pretrained(str(smollm2_path))
+    cfg = draft_config_for_target(t, num_layers=2, mask_token_id=16, num_features=5)
+    assert (cfg.hidden_size, cfg.num_target_layers, cfg.vocab_size) == (576, 30, 49152)
+    assert cfg.target_layer_ids == default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
+    assert draft_config_for_target(t, num_layers=3, mask_token_id=16).target_layer_ids == [1, 14, 27]

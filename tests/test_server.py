@@ -1,0 +1,22 @@
+"""A real SGLang server on this machine, started by `sglang-dflash serve`, without speculation."""
+
+import pytest
+import torch
+
+from conftest import chat_ids, load_target
+from server import generate, sglang_server
+
+pytestmark = pytest.mark.server
+
+
+def test_cpu_server_float32_equals_hf_greedy(smollm2_path, prompts):
+    model, tok = load_target(smollm2_path)
+    eos = model.generation_config.eos_token_id
+    inputs = [chat_ids(tok, p["prompt"]) for p in prompts[::2]]  # 6 prompts across the three sets
+    refs = [model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, eos_token_id=eos,
+                           pad_token_id=eos)[0, len(ids):].tolist() for ids in inputs]
+    with sglang_server(smollm2_path, "--dtype", "float32") as url:
+        outs = [generate(url, ids, temperature=0, max_new_tokens=64)["output_ids"] for ids in inputs]
+    for ids, out, ref in zip(inputs, outs, refs):
+        assert out == ref, tok.decode(ids[-20:])
+    assert sum(len(r) for r in refs) > 5 * 32  # the prompts really generated text
