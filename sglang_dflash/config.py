@@ -33,7 +33,11 @@ def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[
     if end < start:
         raise DraftConfigError(f"a target with {num_target_layers} layers is too shallow for the default layer rule")
     span = end - start
-    return [round(start + i * span / (num_features - 1)) for i in range(num_features)]
+    ids = [round(start + i * span / (num_features - 1)) for i in range(num_features)]
+    if len(set(ids)) != len(ids):
+        raise DraftConfigError(f"a target with {num_target_layers} layers is too shallow to spread {num_features} "
+                               "feature layers by the default rule: give target_layer_ids explicitly")
+    return ids
 
 
 @dataclasses.dataclass
@@ -147,6 +151,9 @@ class DraftConfig:
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if bad:
             raise DraftConfigError(f"target_layer_ids {bad} are out of range for num_target_layers {self.num_target_layers}")
+        if any(a >= b for a, b in zip(self.target_layer_ids, self.target_layer_ids[1:])):
+            raise DraftConfigError(f"target_layer_ids {self.target_layer_ids} must be strictly increasing "
+                                   "(servers capture each target layer once, in layer order)")
         if self.rope_scaling and self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) not in (None, "default"):
             raise DraftConfigError(f"rope scaling {self.rope_scaling} is not supported by this draft model yet")
 
@@ -196,4 +203,15 @@ def draft_config_for_target(target: Any, *, num_layers: int = 1, block_size: int
     )
     cfg.check()
     cfg.check_target(t)
+    return cfg
+
+
+def load_checked(draft_path: str | Path, target_path: str | Path, num_draft_tokens: int | None = None,
+                 trust_remote_code: bool = False) -> DraftConfig:
+    """The draft's config, checked on its own and against the target's HF config and the server's flag."""
+    from transformers import AutoConfig
+
+    cfg = DraftConfig.from_pretrained(draft_path)
+    cfg.check_target(AutoConfig.from_pretrained(str(target_path), trust_remote_code=trust_remote_code),
+                     num_draft_tokens=num_draft_tokens)
     return cfg

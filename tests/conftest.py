@@ -16,6 +16,9 @@ DATA = Path(__file__).parent / "data"
 # a special token that chat text never contains (16 = "<empty_output>"); Qwen3's
 # mask is the first row after its special tokens, as in the published drafts.
 MASK_TOKEN = {"smollm2": 16, "tiny-qwen3": 151669}
+# Feature layers of 2-layer random drafts: the default rule for SmolLM2's 30 layers ([1, 27]);
+# the 4-layer tiny Qwen3 is too shallow for the rule.
+LAYER_IDS = {"smollm2": None, "tiny-qwen3": [1, 2]}
 
 
 def fixture_dir() -> Path:

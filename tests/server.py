@@ -21,14 +21,15 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def sglang_server(model_path, *args: str, timeout: float = 300):
-    """Yields the base URL of a server for model_path; extra args go to launch_server."""
+def sglang_server(model_path, *args: str, env: dict | None = None, timeout: float = 300):
+    """Yields the base URL of a server for model_path; extra args go to launch_server, env adds variables."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="sglang-server-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "sglang_dflash.cli", "serve", "--model-path", str(model_path),
            "--host", "127.0.0.1", "--port", str(port), "--mem-fraction-static", "0.3",
            "--max-total-tokens", "16384", "--log-level", "warning", *args]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + timeout

@@ -32,6 +32,8 @@ def test_published_config_parses_and_round_trips(tmp_path):
 
 def test_default_layer_rule_matches_published_draft():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    with pytest.raises(DraftConfigError, match="too shallow"):
+        default_target_layer_ids(4, 2)
 
 
 def _error(match, **changes):
@@ -53,6 +55,7 @@ def test_config_errors_name_the_problem():
     _error("mask_token_id 200000 is outside", mask_token_id=200000)
     _error(r"target_layer_ids \[36\] are out of range", target_layer_ids=[1, 36])
     _error("block_size 1 is too small", block_size=1)
+    _error(r"target_layer_ids \[9, 1\] must be strictly increasing", target_layer_ids=[9, 1])
     _error("not a multiple of num_key_value_heads", num_key_value_heads=5)
     with pytest.raises(DraftConfigError, match="no 'dflash_config'"):
         DraftConfig.from_dict({k: v for k, v in PUBLISHED.items() if k != "dflash_config"})

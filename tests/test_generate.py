@@ -10,7 +10,7 @@ from sglang_dflash.config import draft_config_for_target
 from sglang_dflash.generate import spec_generate
 from sglang_dflash.models.reference import DFlashDraftModel
 
-from conftest import MASK_TOKEN, chat_ids
+from conftest import LAYER_IDS, MASK_TOKEN, chat_ids
 
 NEW_TOKENS = 128
 _refs: dict = {}
@@ -23,7 +23,8 @@ def hf_greedy(model, ids: list[int], max_new_tokens: int, eos) -> list[int]:
 
 
 def random_draft(model, name, seed=0):
-    cfg = draft_config_for_target(model.config, num_layers=2, block_size=16, mask_token_id=MASK_TOKEN[name])
+    cfg = draft_config_for_target(model.config, num_layers=2, block_size=16, mask_token_id=MASK_TOKEN[name],
+                                  target_layer_ids=LAYER_IDS[name])
     return DFlashDraftModel.random(cfg, seed=seed)
 
 

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.server
 def test_cpu_server_float32_equals_hf_greedy(smollm2_path, prompts):
     model, tok = load_target(smollm2_path)
     eos = model.generation_config.eos_token_id
-    inputs = [chat_ids(tok, p["prompt"]) for p in prompts[::2]]  # 6 prompts across the three sets
+    inputs = [chat_ids(tok, p["prompt"]) for p in prompts[:12:2]]  # 6 prompts across the three sets
     refs = [model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, eos_token_id=eos,
                            pad_token_id=eos)[0, len(ids):].tolist() for ids in inputs]
     with sglang_server(smollm2_path, "--dtype", "float32") as url:
