@@ -52,3 +52,23 @@ def accept_sampled(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target
     residual = torch.where(empty, p_at, residual)
     next_token = torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator).squeeze(1)
     return accept_len, next_token
+
+
+def filtered_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                   min_ps: torch.Tensor | None = None) -> torch.Tensor:
+    """The distribution a request samples from, as SGLang's sampler forms it: softmax(logits / T),
+    then keep the top_k most likely tokens, then the smallest head whose mass reaches top_p, then
+    drop tokens below min_p × the most likely one; renormalised.
+
+    logits [N, V]; temperatures, top_ks, top_ps, min_ps [N] (one row per distribution).
+    """
+    probs = torch.softmax(logits.float() / temperatures.float().view(-1, 1), dim=-1)
+    probs_sort, probs_idx = probs.sort(dim=-1, descending=True)
+    cum_before = probs_sort.cumsum(-1) - probs_sort
+    ranks = torch.arange(probs.shape[-1], device=probs.device)[None]
+    drop = (ranks >= top_ks.view(-1, 1)) | (cum_before > top_ps.view(-1, 1))
+    if min_ps is not None:
+        drop |= probs_sort < (probs_sort[:, :1] * min_ps.view(-1, 1))
+    probs_sort = probs_sort.masked_fill(drop, 0.0)
+    out = torch.zeros_like(probs).scatter_(-1, probs_idx, probs_sort)
+    return out / out.sum(-1, keepdim=True)

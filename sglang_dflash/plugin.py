@@ -1,9 +1,14 @@
-"""SGLang plugin entry point (group `sglang.srt.plugins`).
+"""SGLang plugin entry point (group `sglang.srt.plugins`): makes `--speculative-algorithm DFLASH`
+run this package's worker, in every SGLang process (launch_server, Engine, schedulers, TP ranks).
 
-SGLang calls `register()` in every process it starts (launch_server, Engine,
-schedulers, TP ranks). Taking over `--speculative-algorithm DFLASH` with this
-package's worker is the worker issue's job; until then the plugin only logs
-that it loaded, so a server shows which package version it runs beside.
+The name DFLASH is kept, so SGLang's own DFLASH integration points apply (target hidden-state
+capture, draft KV sizing, the scheduler's DFLASH branches); what changes:
+  - SpeculativeAlgorithm.create_worker returns sglang_dflash.worker.DFlashWorker;
+  - DFLASH's argument handling is ours: it checks the draft against the target (a bad draft stops
+    the server with one line naming the problem), allows device cpu, and runs synchronously;
+  - the torch_native attention backend learns TARGET_VERIFY batches (the CPU engine's backend);
+  - on the CPU engine, the sgl-kernel CPU operators the PyPI wheel lacks are registered.
+SGLANG_DFLASH_IMPL=builtin leaves SGLang's builtin DFLASH untouched (for side-by-side runs).
 """
 
 from __future__ import annotations
@@ -14,13 +19,90 @@ import os
 logger = logging.getLogger("sglang_dflash")
 _registered = False
 
+CREATE_WORKER = "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_worker"
+HANDLE_ARGS = "sglang.srt.arg_groups.speculative_hook._handle_dflash"
+TORCH_NATIVE_EXTEND = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
+
+
+def use_builtin() -> bool:
+    impl = os.environ.get("SGLANG_DFLASH_IMPL", "sglang_dflash")
+    if impl not in ("sglang_dflash", "builtin"):
+        raise ValueError(f"SGLANG_DFLASH_IMPL={impl!r}: expected 'sglang_dflash' or 'builtin'")
+    return impl == "builtin"
+
+
+def create_worker(original, self, server_args):
+    if self.is_dflash():
+        from sglang_dflash.worker import DFlashWorker
+
+        return DFlashWorker
+    return original(self, server_args)
+
+
+def handle_dflash_args(original, server_args):
+    """Our DFLASH argument handling (replaces SGLang's, which refuses device cpu)."""
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+
+    from sglang_dflash.config import load_checked
+
+    cfg = resolving_view(server_args)
+    if cfg.pp_size != 1:
+        raise ValueError("DFLASH supports only --pp-size 1")
+    if cfg.tp_size != 1:
+        raise ValueError("sglang-dflash's DFLASH worker does not support tensor parallelism yet: use --tp 1")
+    if cfg.speculative_draft_model_path is None:
+        raise ValueError("DFLASH needs --speculative-draft-model-path")
+    draft = load_checked(cfg.speculative_draft_model_path, cfg.model_path, cfg.speculative_num_draft_tokens,
+                         cfg.trust_remote_code)
+    if cfg.speculative_dflash_block_size is not None and int(cfg.speculative_dflash_block_size) != draft.block_size:
+        raise ValueError(f"--speculative-dflash-block-size {cfg.speculative_dflash_block_size} does not match "
+                         f"the draft's block_size {draft.block_size}")
+    decided = dict(speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=draft.block_size,
+                   disable_overlap_schedule=True)
+    if cfg.max_running_requests is None:
+        decided["max_running_requests"] = 48
+    declare_resolution(server_args, "sglang_dflash", **decided)
+
+
+def torch_native_forward_extend(original, self, q, k, v, layer, forward_batch, save_kv_cache=True):
+    """TARGET_VERIFY on torch_native: only the block's queries, against prefix + block."""
+    if not forward_batch.forward_mode.is_target_verify():
+        return original(self, q, k, v, layer, forward_batch, save_kv_cache)
+    from sglang.srt.layers.radix_attention import AttentionType
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    from sglang_dflash.ops.attention import paged_block_attention
+
+    if save_kv_cache and k is not None and v is not None:
+        self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
+    causal = not (layer.is_cross_attention or layer.attn_type == AttentionType.ENCODER_ONLY)
+    out = paged_block_attention(
+        q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+        self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+        self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
+        q.shape[0] // forward_batch.batch_size, layer.scaling, causal)
+    return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+
 
 def register() -> None:
     global _registered
     if _registered:
         return
     _registered = True
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
     from sglang_dflash import __version__
 
-    logger.info("sglang-dflash %s plugin loaded in pid %d (DFLASH worker: SGLang builtin for now)",
-                __version__, os.getpid())
+    if use_builtin():
+        logger.warning("sglang-dflash %s: SGLANG_DFLASH_IMPL=builtin, SGLang's own DFLASH runs", __version__)
+        return
+    HookRegistry.register(CREATE_WORKER, create_worker, HookType.AROUND)
+    HookRegistry.register(HANDLE_ARGS, handle_dflash_args, HookType.AROUND)
+    HookRegistry.register(TORCH_NATIVE_EXTEND, torch_native_forward_extend, HookType.AROUND)
+    registered_ops = []
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+        from sglang_dflash.ops.cpu_kernels import register_missing_cpu_ops
+
+        registered_ops = register_missing_cpu_ops()
+    logger.info("sglang-dflash %s plugin loaded in pid %d: DFLASH is sglang-dflash's worker%s", __version__,
+                os.getpid(), f"; CPU ops added: {', '.join(registered_ops)}" if registered_ops else "")

@@ -1,0 +1,210 @@
+"""The DFLASH speculative worker inside SGLang: one decode step is
+
+    build_block -> draft -> verify -> accept -> commit
+
+over a batch of requests, run synchronously by SGLang's scheduler (no overlap).
+Prefill runs the target with hidden-state capture and writes the draft context
+K/V of every prompt token. The draft's context K/V live in a paged store
+indexed by the target's own KV slots (see models/paged.py).
+
+Shapes: bs requests, B block size, V vocabulary, F = features × hidden.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sglang_dflash import __version__
+from sglang_dflash.accept import accept_greedy, accept_sampled, filtered_probs
+from sglang_dflash.config import load_checked
+from sglang_dflash.models.paged import PagedDraft
+from sglang_dflash.models.reference import DFlashDraftModel
+
+logger = logging.getLogger(__name__)
+
+
+def make_draft_input(bonus_tokens: torch.Tensor, new_seq_lens: torch.Tensor):
+    """What the scheduler carries to the next step: each request's bonus token and committed length."""
+    from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
+
+    bs, device = new_seq_lens.numel(), bonus_tokens.device
+    return DFlashDraftInputV2(
+        topk_p=torch.empty((bs, 0), device=device, dtype=torch.float32),
+        topk_index=torch.empty((bs, 0), device=device, dtype=torch.int64),
+        bonus_tokens=bonus_tokens.to(torch.int64),
+        new_seq_lens=new_seq_lens.to(torch.int64),
+        hidden_states=torch.empty((bs, 0), device=device, dtype=torch.float16),
+    )
+
+
+def _base():
+    from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+
+    return BaseSpecWorker
+
+
+class DFlashWorker(_base()):
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
+        super().__init__()
+        self.server_args = server_args
+        self._target_worker = target_worker
+        self._draft_worker = None
+        self.model_runner = target_worker.model_runner
+        self.device = self.model_runner.device
+        self.dtype = self.model_runner.dtype
+        self.config = load_checked(server_args.speculative_draft_model_path, server_args.model_path,
+                                   server_args.speculative_num_draft_tokens, server_args.trust_remote_code)
+        self.block_size = self.config.block_size
+        if server_args.tp_size != 1:
+            raise NotImplementedError("sglang-dflash's DFLASH worker does not support tensor parallelism yet (--tp 1)")
+        self.draft_model = DFlashDraftModel.from_pretrained(server_args.speculative_draft_model_path, dtype=self.dtype,
+                                                            device=self.device)
+        self.draft: PagedDraft | None = None  # allocated once the target's KV pool exists
+        target = self.model_runner.model
+        self.embed = target.get_input_embeddings()
+        self.vocab_size = self.model_runner.model_config.vocab_size
+        self.lm_head_weight = target.lm_head.weight[: self.vocab_size]
+        self.layer_ids = self.config.target_layer_ids
+        logger.info("sglang-dflash %s DFLASH worker: draft %s (%d layers, block %d, target layers %s), %s %s",
+                    __version__, server_args.speculative_draft_model_path, len(self.draft_model.layers), self.block_size,
+                    self.layer_ids, self.device, self.dtype)
+
+    # ---- what the scheduler calls at start-up ---------------------------
+    def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
+        # The draft's context store has one row per target KV slot (the slot ids are shared).
+        num_slots = self.model_runner.token_to_kv_pool.get_key_buffer(0).shape[0]
+        self.draft = PagedDraft(self.draft_model, num_slots, self.device, self.dtype)
+
+    def init_attention_backends(self):
+        pass  # the draft attends through sglang_dflash.ops.attention, not an SGLang backend
+
+    def init_cuda_graphs(self):
+        pass
+
+    def _draft_model_runners(self):
+        return ()
+
+    def weight_update_runners(self):
+        return []
+
+    def clear_cache_pool(self):
+        pass  # slots are reused through the target's allocator; stale draft K/V is overwritten on reuse
+
+    def __getattr__(self, name):
+        # Anything else the scheduler asks of a model worker is the target's.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._target_worker, name)
+
+    # ---- every step -----------------------------------------------------
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None, **kw):
+        if batch.forward_mode.is_extend():
+            return self.prefill(batch)
+        if batch.forward_mode.is_idle():
+            raise NotImplementedError("idle batches (data parallel attention) are not supported")
+        return self.decode_step(batch)
+
+    def prefill(self, batch):
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+        out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
+        features = out.logits_output.hidden_states  # [extend tokens, F]
+        if features is None or features.shape[-1] != self.draft_model.fc.in_features:
+            raise RuntimeError(f"the target captured hidden states of width "
+                               f"{None if features is None else features.shape[-1]}, the draft needs "
+                               f"{self.draft_model.fc.in_features} (layers {self.layer_ids})")
+        positions = torch.cat([torch.arange(p, p + n, device=self.device)
+                               for p, n in zip(batch.prefix_lens, batch.extend_lens)])
+        slots = batch.out_cache_loc[: positions.numel()]
+        self.draft.write_context(features[: positions.numel()], positions, slots)
+        out.logits_output.hidden_states = None
+        out.new_seq_lens = batch.seq_lens
+        out.next_draft_input = make_draft_input(out.next_token_ids, batch.seq_lens)
+        return out
+
+    def decode_step(self, batch):
+        from sglang.srt.managers.utils import GenerationBatchResult
+
+        B = self.block_size
+        prefix_lens = batch.seq_lens.long()  # committed tokens; the bonus token is not in the KV yet
+        req_to_token = batch.req_to_token_pool.req_to_token
+        block_ids, positions, slots = self.build_block(batch.spec_info.bonus_tokens, prefix_lens,
+                                                       batch.req_pool_indices, req_to_token)
+        sampled = not batch.sampling_info.is_all_greedy
+        draft_tokens, q = self.draft_forward(block_ids, positions, req_to_token, batch.req_pool_indices,
+                                             prefix_lens, batch.sampling_info if sampled else None)
+        block_ids[:, 1:] = draft_tokens
+        logits_output, logits, features = self.verify(batch, block_ids, positions, slots)
+        accept_len, next_token = self.accept(draft_tokens, q, logits, batch.sampling_info if sampled else None)
+        commit_lens = accept_len + 1  # the old bonus + accepted drafts enter the KV; next_token is the new bonus
+        self.commit(features, positions, slots, commit_lens)
+
+        out_tokens = torch.empty_like(block_ids)  # [bs, B]: row i emits out_tokens[i, :commit_lens[i]]
+        out_tokens[:, : B - 1] = draft_tokens
+        out_tokens.scatter_(1, accept_len[:, None], next_token[:, None])
+        new_seq_lens = prefix_lens + commit_lens
+        logits_output.hidden_states = None
+        return GenerationBatchResult(
+            logits_output=logits_output, next_token_ids=out_tokens.reshape(-1), accept_lens=commit_lens.to(torch.int32),
+            new_seq_lens=new_seq_lens, next_draft_input=make_draft_input(next_token, new_seq_lens),
+            speculative_num_draft_tokens=B, can_run_cuda_graph=False)
+
+    # ---- the five steps -------------------------------------------------
+    def build_block(self, bonus_tokens, prefix_lens, req_pool_indices, req_to_token):
+        """[bonus, MASK, …] per request, positions prefix … prefix + B - 1, and their KV slots (reserved
+        by the scheduler's prepare_for_decode) -> three [bs, B] tensors."""
+        B = self.block_size
+        bs = bonus_tokens.shape[0]
+        block_ids = torch.full((bs, B), self.config.mask_token_id, dtype=torch.long, device=self.device)
+        block_ids[:, 0] = bonus_tokens
+        positions = prefix_lens[:, None] + torch.arange(B, device=self.device)[None]
+        slots = req_to_token[req_pool_indices[:, None].long(), positions].long()
+        return block_ids, positions, slots
+
+    def draft_forward(self, block_ids, positions, req_to_token, req_pool_indices, prefix_lens, sampling_info):
+        """One non-causal draft forward -> draft tokens [bs, B-1] and, when sampling, their distributions q."""
+        embeds = self.embed(block_ids.reshape(-1)).view(*block_ids.shape, -1)
+        hidden = self.draft.forward_block(embeds, positions, req_to_token, req_pool_indices, prefix_lens)
+        logits = (hidden[:, 1:].to(self.lm_head_weight.dtype) @ self.lm_head_weight.T).float()  # [bs, B-1, V]
+        if sampling_info is None:
+            return logits.argmax(-1), None
+        greedy = (sampling_info.top_ks == 1).view(-1, 1, 1)
+        q = torch.softmax(logits / sampling_info.temperatures.float().view(-1, 1, 1), dim=-1)
+        q = torch.where(greedy, torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float(), q)
+        tokens = torch.multinomial(q.view(-1, q.shape[-1]), 1).view(q.shape[:2])
+        return tokens, q
+
+    def verify(self, batch, block_ids, positions, slots):
+        """One target forward over every request's block (TARGET_VERIFY), capturing the hidden states at
+        the draft's target layers -> (logits output, logits [bs, B, V], features [bs, B, F])."""
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+        from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+
+        bs, B = block_ids.shape
+        verify_input = DFlashVerifyInput(draft_token=block_ids.reshape(-1), positions=positions.reshape(-1),
+                                         draft_token_num=B, custom_mask=None,
+                                         capture_hidden_mode=CaptureHiddenMode.FULL)
+        batch.out_cache_loc = slots.reshape(-1)
+        forward_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
+        result = self.target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch, is_verify=True)
+        out = result.logits_output
+        return out, out.next_token_logits.view(bs, B, -1), out.hidden_states.view(bs, B, -1)
+
+    def accept(self, draft_tokens, q, logits, sampling_info):
+        """Greedy: longest matching prefix + the target's token. Sampling: rejection sampling with q."""
+        if sampling_info is None:
+            return accept_greedy(draft_tokens, logits)
+        bs, B, V = logits.shape
+        rep = lambda t: t.view(-1).repeat_interleave(B)  # noqa: E731  (one row per block position)
+        min_ps = rep(sampling_info.min_ps) if sampling_info.need_min_p_sampling else None
+        p = filtered_probs(logits.reshape(bs * B, V), rep(sampling_info.temperatures), rep(sampling_info.top_ks),
+                           rep(sampling_info.top_ps), min_ps).view(bs, B, V)
+        return accept_sampled(draft_tokens, q, p)
+
+    def commit(self, features, positions, slots, commit_lens):
+        """Write the draft context K/V of the committed block rows (bonus + accepted drafts)."""
+        B = self.block_size
+        keep = torch.arange(B, device=self.device)[None] < commit_lens[:, None]  # [bs, B]
+        self.draft.write_context(features[keep], positions[keep], slots[keep])

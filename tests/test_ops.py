@@ -1,0 +1,128 @@
+"""The plain-torch operators of the serving path, against brute-force definitions on random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sglang_dflash.accept import filtered_probs
+from sglang_dflash.config import DraftConfig
+from sglang_dflash.models.paged import PagedDraft
+from sglang_dflash.models.reference import DFlashDraftModel
+from sglang_dflash.ops.attention import paged_block_attention
+from sglang_dflash.ops.cpu_kernels import assign_extend_cache_locs, assign_req_to_token_pool, copy_all_layer_kv_cache
+
+
+def random_pool(g, bs, n, max_prefix, pool=512, width=96):
+    """A req_to_token table whose requests own disjoint random slots, and their prefix lengths."""
+    prefix = torch.randint(1, max_prefix + 1, (bs,), generator=g)
+    perm = torch.randperm(pool, generator=g)
+    req_to_token = torch.zeros(bs + 2, width, dtype=torch.int32)
+    rpi = torch.randperm(bs + 2, generator=g)[:bs]
+    used = 0
+    for i in range(bs):
+        m = int(prefix[i]) + n
+        req_to_token[rpi[i], :m] = perm[used:used + m].int()
+        used += m
+    return req_to_token, rpi, prefix
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_paged_block_attention_matches_per_request_sdpa(causal, seed):
+    g = torch.Generator().manual_seed(seed)
+    bs, n, h, kvh, d = int(torch.randint(1, 6, (1,), generator=g)), [1, 4, 16][seed % 3], 6, 2, 8
+    req_to_token, rpi, prefix = random_pool(g, bs, n, max_prefix=60)
+    k_buf, v_buf = torch.randn(512, kvh, d, generator=g), torch.randn(512, kvh, d, generator=g)
+    q = torch.randn(bs * n, h, d, generator=g)
+    out = paged_block_attention(q, k_buf, v_buf, req_to_token, rpi, prefix, n, 0.3, causal)
+    for i in range(bs):
+        m = int(prefix[i]) + n
+        slots = req_to_token[rpi[i], :m].long()
+        k = k_buf[slots].repeat_interleave(h // kvh, 1).transpose(0, 1)  # [h, m, d]
+        v = v_buf[slots].repeat_interleave(h // kvh, 1).transpose(0, 1)
+        qi = q[i * n:(i + 1) * n].transpose(0, 1)  # [h, n, d]
+        mask = torch.ones(n, m, dtype=torch.bool)
+        if causal:
+            mask = torch.arange(m)[None] <= (int(prefix[i]) + torch.arange(n))[:, None]
+        ref = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=0.3).transpose(0, 1)
+        torch.testing.assert_close(out[i * n:(i + 1) * n], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_kernel_twins():
+    g = torch.Generator().manual_seed(0)
+    req_to_token = torch.zeros(4, 32, dtype=torch.int32)
+    rpi = torch.tensor([2, 0, 3])
+    start, end = torch.tensor([0, 5, 3], dtype=torch.int32), torch.tensor([4, 5, 10], dtype=torch.int32)
+    locs = torch.randperm(100, generator=g)[:11]
+    assign_req_to_token_pool(rpi, req_to_token, start, end, locs, 32)
+    expected = torch.zeros_like(req_to_token)
+    expected[2, 0:4], expected[3, 3:10] = locs[0:4].int(), locs[4:11].int()
+    assert torch.equal(req_to_token, expected)
+    back = torch.full((11,), -1, dtype=torch.int64)
+    assign_extend_cache_locs(rpi, req_to_token, start.long(), end.long(), back, 32)
+    assert torch.equal(back, locs)
+
+    bufs = [torch.randn(20, 3, 4), torch.randn(20, 3, 4)]
+    before = [b.clone() for b in bufs]
+    ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64)
+    strides = torch.tensor([b[0].nbytes for b in bufs], dtype=torch.int64)
+    copy_all_layer_kv_cache(ptrs, strides, torch.tensor([7, 1]), torch.tensor([1, 5]))
+    for b, old in zip(bufs, before):
+        expected = old.clone()
+        expected[7], expected[1] = old[1], old[5]
+        assert torch.equal(b, expected)
+
+
+def small_draft(seed=0, **kw):
+    cfg = DraftConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=64, block_size=8, num_target_layers=6,
+                      target_layer_ids=[1, 3], mask_token_id=63, **kw)
+    return DFlashDraftModel.random(cfg, seed=seed)
+
+
+def test_paged_draft_matches_reference_model():
+    """Context written slot by slot and read back through req_to_token gives the reference's hidden states."""
+    g = torch.Generator().manual_seed(5)
+    model = small_draft()
+    B, F_ = model.config.block_size, 2 * 48
+    bs = 3
+    req_to_token, rpi, prefix = random_pool(g, bs, B, max_prefix=30)
+    paged = PagedDraft(model, 512, "cpu", torch.float32)
+    features = [torch.randn(int(p), F_, generator=g) for p in prefix]
+    # commit each request's context in two uneven pieces, as prefill + a verify step would
+    for i in range(bs):
+        p = int(prefix[i])
+        cut = p // 3
+        for a, b in ((0, cut), (cut, p)):
+            paged.write_context(features[i][a:b], torch.arange(a, b), req_to_token[rpi[i], a:b].long())
+    embeds = torch.randn(bs, B, 48, generator=g)
+    positions = prefix[:, None] + torch.arange(B)[None]
+    hidden = paged.forward_block(embeds, positions, req_to_token, rpi, prefix)
+    for i in range(bs):
+        p = int(prefix[i])
+        ctx = model.new_cache(1, "cpu", torch.float32)
+        model.commit_context(ctx, features[i][None], torch.arange(p)[None])
+        ref = model(embeds[i:i + 1], positions[i:i + 1], ctx)
+        torch.testing.assert_close(hidden[i:i + 1], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_filtered_probs_matches_sglang_sampler():
+    from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
+
+    g = torch.Generator().manual_seed(2)
+    N, V = 6, 50
+    logits = torch.randn(N, V, generator=g) * 3
+    temps = torch.tensor([0.7, 1.0, 1.3, 1.0, 0.5, 1.0])
+    top_ks = torch.tensor([50, 20, 50, 1, 5, 50])
+    top_ps = torch.tensor([1.0, 1.0, 0.9, 1.0, 0.8, 0.95])
+    min_ps = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.1])
+    ours = filtered_probs(logits, temps, top_ks, top_ps, min_ps)
+    probs = torch.softmax(logits / temps[:, None], -1)
+    _, probs_sort, probs_idx, _ = top_k_top_p_min_p_sampling_from_probs_torch(
+        probs.clone(), top_ks, top_ps, min_ps, True, None, torch.zeros(N), return_filtered_probs=True)
+    theirs = torch.zeros_like(probs).scatter_(-1, probs_idx.long(), probs_sort)
+    theirs = theirs / theirs.sum(-1, keepdim=True)
+    torch.testing.assert_close(ours, theirs)
+    assert torch.equal(ours[3] > 0, F.one_hot(logits[3].argmax(), V).bool())  # top_k 1 is greedy

@@ -1,0 +1,258 @@
+"""This package's DFLASH worker in a real SGLang server on the CPU, against the same server
+without speculation: greedy output must be token for token the same in float32."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from conftest import LAYER_IDS, MASK_TOKEN, chat_ids
+from server import generate, sglang_server
+
+pytestmark = pytest.mark.server
+ORACLE_PLUGIN = Path(__file__).parent / "oracle_plugin"
+NEW_TOKENS = 128
+
+
+def save_random_draft(target_path: Path, out: Path, name: str, seed: int = 0) -> Path:
+    """A random 2-layer draft for the target, saved in bf16 (the server runs it in its own dtype)."""
+    from transformers import AutoConfig
+
+    from sglang_dflash.config import draft_config_for_target
+    from sglang_dflash.models.reference import DFlashDraftModel
+
+    cfg = draft_config_for_target(AutoConfig.from_pretrained(str(target_path)), num_layers=2, block_size=16,
+                                  mask_token_id=MASK_TOKEN[name], target_layer_ids=LAYER_IDS[name])
+    DFlashDraftModel.random(cfg, seed=seed).to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+def run_all(url: str, inputs: list[list[int]], concurrency: int, **sampling) -> list[dict]:
+    sampling = {"temperature": 0, "max_new_tokens": NEW_TOKENS, **sampling}
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(lambda ids: generate(url, ids, **sampling), inputs))
+
+
+def dflash_args(draft: Path, *extra: str) -> tuple[str, ...]:
+    return ("--dtype", "float32", "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft),
+            "--speculative-num-draft-tokens", "16", *extra)
+
+
+def assert_same(outs: list[dict], refs: list[dict], what: str):
+    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+        assert out["output_ids"] == ref["output_ids"], f"{what}: request {i} differs"
+
+
+def tau(out: dict) -> float:
+    meta = out["meta_info"]
+    return meta["completion_tokens"] / meta["spec_verify_ct"]
+
+
+@pytest.fixture(scope="module")
+def smol_base_url(smollm2_path):
+    """The SmolLM2 server without speculation, float32, kept up for the module."""
+    with sglang_server(smollm2_path, "--dtype", "float32") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_path, prompts, tmp_path_factory, smol_base_url):
+    """SmolLM2: the 40 chat prompts, a random draft, and the no-speculation server's outputs."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_path))
+    inputs = [chat_ids(tok, p["prompt"]) for p in prompts]
+    draft = save_random_draft(smollm2_path, tmp_path_factory.mktemp("smol") / "draft", "smollm2")
+    base = run_all(smol_base_url, inputs, 16)
+    repeat = run_all(smol_base_url, inputs[:4], 4)
+    return dict(path=smollm2_path, tok=tok, inputs=inputs, draft=draft, base=base, repeat=repeat)
+
+
+@pytest.fixture(scope="module")
+def oracle_url(smol, tmp_path_factory):
+    """A DFLASH server whose draft proposes the baseline's own continuation of the first 8 prompts
+    (tests/oracle_plugin), so that nearly every verify accepts a whole block."""
+    rows = [{"sequence": ids + ref["output_ids"], "prompt_len": len(ids)}
+            for ids, ref in zip(smol["inputs"][:8], smol["base"][:8])]
+    file = tmp_path_factory.mktemp("oracle") / "sequences.json"
+    file.write_text(json.dumps(rows))
+    env = {"PYTHONPATH": str(ORACLE_PLUGIN), "SGLANG_DFLASH_ORACLE": str(file),
+           "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}  # a KV leak, seen when idle, stops the server
+    with sglang_server(smol["path"], *dflash_args(smol["draft"]), env=env) as url:
+        yield url
+
+
+def test_smollm2_lossless_float32(smol):
+    with sglang_server(smol["path"], *dflash_args(smol["draft"])) as url:
+        conc16 = run_all(url, smol["inputs"], 16)
+        conc1 = run_all(url, smol["inputs"][:6], 1)
+        repeat = run_all(url, smol["inputs"][:4], 4)  # the radix cache now holds these prompts
+    assert_same(conc16, smol["base"], "concurrency 16")
+    assert_same(conc1, smol["base"][:6], "concurrency 1")
+    assert_same(repeat, smol["repeat"], "radix-cache hits")
+    assert all(r["meta_info"]["cached_tokens"] > 0 for r in repeat)
+    for out in conc16:
+        meta = out["meta_info"]
+        assert meta["spec_verify_ct"] >= 1 and 1.0 <= tau(out) <= 16
+        assert meta["completion_tokens"] == len(out["output_ids"])
+
+
+def test_smollm2_oracle_draft_accepts_whole_blocks(smol, oracle_url):
+    """With proposals that are the target's own continuation every verify accepts the whole
+    block, so τ reaches the block size; the output is still exactly the baseline's."""
+    outs = run_all(oracle_url, smol["inputs"][:8], 4)
+    assert_same(outs, smol["base"][:8], "oracle draft")
+    full = [o for o in outs if o["meta_info"]["finish_reason"]["type"] == "length"]
+    assert full, "no request ran to max_new_tokens"
+    for out in full:
+        # 1 token from prefill, then 127 = 7 full blocks of 16 + 15 -> 8 verify steps
+        assert out["meta_info"]["spec_verify_ct"] == 8, out["meta_info"]
+        assert out["meta_info"]["spec_accept_rate"] > 0.98
+
+
+def _both(base_url, url, ids, **params):
+    return generate(base_url, ids, **params), generate(url, ids, **params)
+
+
+def test_max_new_tokens_exact(smol, smol_base_url, oracle_url):
+    ids = smol["inputs"][1]
+    for n in (1, 2, 17, 37):
+        base, out = _both(smol_base_url, oracle_url, ids, temperature=0, max_new_tokens=n)
+        assert out["output_ids"] == base["output_ids"] and len(out["output_ids"]) == n
+
+
+def test_stop_token_and_stop_string_inside_an_accepted_block(smol, smol_base_url, oracle_url):
+    long_refs = [(ids, ref["output_ids"]) for ids, ref in zip(smol["inputs"][:8], smol["base"][:8])
+                 if len(ref["output_ids"]) == NEW_TOKENS]
+    ids, ref = long_refs[0]
+    k = next(k for k in range(20, NEW_TOKENS) if k % 16 not in (0, 1) and ref[k] not in ref[:k])
+    base, out = _both(smol_base_url, oracle_url, ids, temperature=0, max_new_tokens=NEW_TOKENS, stop_token_ids=[ref[k]])
+    assert base["output_ids"] == ref[:k + 1] and out["output_ids"] == base["output_ids"]
+    assert out["meta_info"]["finish_reason"] == base["meta_info"]["finish_reason"]
+    assert out["meta_info"]["spec_verify_ct"] <= 3  # the stop came inside a block of 16 accepted tokens
+    stop = smol["tok"].decode(ref[40:43])
+    base, out = _both(smol_base_url, oracle_url, ids, temperature=0, max_new_tokens=NEW_TOKENS, stop=[stop])
+    assert out["text"] == base["text"] and out["output_ids"] == base["output_ids"]
+    assert out["meta_info"]["finish_reason"] == base["meta_info"]["finish_reason"]
+    assert len(out["output_ids"]) < NEW_TOKENS
+
+
+def test_ignore_eos(smol, smol_base_url, oracle_url):
+    ended = [ids for ids, ref in zip(smol["inputs"], smol["base"]) if ref["meta_info"]["finish_reason"]["type"] == "stop"]
+    assert ended, "no prompt ended with EOS"
+    base, out = _both(smol_base_url, oracle_url, ended[0], temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert out["output_ids"] == base["output_ids"] and len(out["output_ids"]) == NEW_TOKENS
+
+
+def test_streaming(smol, oracle_url):
+    r = requests.post(oracle_url + "/generate", stream=True, timeout=600, json={
+        "input_ids": smol["inputs"][2], "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": 64}})
+    chunks = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert len(chunks) > 1
+    assert chunks[-1]["output_ids"] == smol["base"][2]["output_ids"][:64]
+
+
+def test_abort_and_no_leaked_kv(smol, oracle_url):
+    """64 requests, 8 of them aborted mid-generation; afterwards no KV slot is leaked."""
+    import time
+
+    def stream_then_abort(i):
+        rid = f"abort-{i}"
+        r = requests.post(oracle_url + "/generate", stream=True, timeout=600, json={
+            "rid": rid, "input_ids": smol["inputs"][i % 40], "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}})
+        for n, line in enumerate(r.iter_lines(decode_unicode=True)):
+            if n == 3:
+                requests.post(oracle_url + "/abort_request", json={"rid": rid}, timeout=60)
+            if line.startswith("data: ") and line != "data: [DONE]":
+                last = json.loads(line[6:])
+        return last
+
+    with ThreadPoolExecutor(16) as pool:
+        aborted = list(pool.map(stream_then_abort, range(8)))
+        done = list(pool.map(lambda ids: generate(oracle_url, ids, temperature=0, max_new_tokens=4),
+                             smol["inputs"] + smol["inputs"][:16]))
+    assert all(a["meta_info"]["finish_reason"]["type"] == "abort" for a in aborted)
+    assert all(len(d["output_ids"]) == 4 for d in done)
+    time.sleep(5)  # idle: SGLang checks that every KV slot is free or cached (strict mode: a leak kills it)
+    assert requests.get(oracle_url + "/health_generate", timeout=60).status_code == 200
+
+
+def test_tiny_qwen3_lossless_float32(tiny_qwen3_path, prompts, tmp_path):
+    """The Qwen3 architecture and tokenizer (a random 4-layer model, which never stops early).
+    16 prompts × 64 tokens: SGLang's CPU decode of this 152k-vocabulary model is slow."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_qwen3_path))
+    inputs = [chat_ids(tok, p["prompt"]) for p in prompts[::5] + prompts[1::5]]
+    draft = save_random_draft(tiny_qwen3_path, tmp_path / "draft", "tiny-qwen3")
+    with sglang_server(tiny_qwen3_path, "--dtype", "float32") as url:
+        base = run_all(url, inputs, 16, max_new_tokens=64)
+    with sglang_server(tiny_qwen3_path, *dflash_args(draft)) as url:
+        outs = run_all(url, inputs, 16, max_new_tokens=64)
+    assert_same(outs, base, "tiny-qwen3")
+
+
+def test_chunked_prefill_and_page_size_16(smol):
+    """Long prompts prefilled in chunks of 64 tokens, KV pages of 16 tokens."""
+    tok = smol["tok"]
+    long_prompts = ["\n\n".join(p for p in (smol["tok"].decode(ids) for ids in smol["inputs"][i:i + 4]))
+                    for i in range(0, 16, 4)]
+    inputs = [chat_ids(tok, p) for p in long_prompts] + smol["inputs"][16:20]
+    assert max(len(ids) for ids in inputs) > 300
+    flags = ("--chunked-prefill-size", "64", "--page-size", "16")
+    with sglang_server(smol["path"], "--dtype", "float32", *flags) as url:
+        base = run_all(url, inputs, 4, max_new_tokens=64)
+    with sglang_server(smol["path"], *dflash_args(smol["draft"], *flags)) as url:
+        outs = run_all(url, inputs, 4, max_new_tokens=64)
+    assert_same(outs, base, "chunked prefill + page size 16")
+
+
+@pytest.mark.parametrize("problem, change, message", [
+    ("block size", {"block_size": 8}, "--speculative-num-draft-tokens 16 does not match the draft's block_size 8"),
+    ("hidden size", {"hidden_size": 64}, "draft hidden_size 64 does not match the target's 576"),
+    ("mask token", {"dflash_config": {"target_layer_ids": [1, 27]}}, "mask_token_id is missing"),
+    ("layer ids", {"dflash_config": {"target_layer_ids": [1, 30], "mask_token_id": 16}},
+     "target_layer_ids [30] are out of range"),
+])
+def test_bad_draft_stops_the_server(smol, tmp_path, problem, change, message):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    cfg = json.loads((smol["draft"] / "config.json").read_text())
+    cfg.update(change)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    (bad / "model.safetensors").symlink_to(smol["draft"] / "model.safetensors")
+    r = subprocess.run([sys.executable, "-m", "sglang_dflash.cli", "serve", "--model-path", str(smol["path"]),
+                        *dflash_args(bad)], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert message in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
+
+
+def test_bad_draft_path_stops_the_server(smol, tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "sglang_dflash.cli", "serve", "--model-path", str(smol["path"]),
+                        *dflash_args(tmp_path / "nowhere")], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "is not a directory" in r.stdout + r.stderr
+
+
+def test_greedy_requests_stay_exact_beside_sampled_ones(smol, oracle_url):
+    """Sampled requests (rejection sampling against the draft's q) share the batch with greedy ones."""
+    sampled = dict(temperature=0.8, top_p=0.9, top_k=40, max_new_tokens=64)
+    jobs = [(ids, dict(temperature=0, max_new_tokens=NEW_TOKENS)) for ids in smol["inputs"][:6]] + \
+           [(ids, sampled) for ids in smol["inputs"][20:26]]
+    with ThreadPoolExecutor(12) as pool:
+        outs = list(pool.map(lambda job: generate(oracle_url, job[0], **job[1]), jobs))
+    assert_same(outs[:6], smol["base"][:6], "greedy beside sampled")
+    for out in outs[6:]:
+        assert 1 <= len(out["output_ids"]) <= 64 and out["meta_info"]["spec_verify_ct"] >= 1
