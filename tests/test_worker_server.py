@@ -241,18 +241,9 @@ def test_bad_draft_path_stops_the_server(smol, tmp_path):
     import subprocess
     import sys
 
+    missing = tmp_path / "nowhere"
     r = subprocess.run([sys.executable, "-m", "sglang_dflash.cli", "serve", "--model-path", str(smol["path"]),
-                        *dflash_args(tmp_path / "nowhere")], capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and "is not a directory" in r.stdout + r.stderr
+                        *dflash_args(missing)], capture_output=True, text=True, timeout=300)
+    # SGLang reads the draft's config before our checks run: its error names the path
+    assert r.returncode != 0 and str(missing) in (r.stdout + r.stderr).strip().splitlines()[-1]
 
-
-def test_greedy_requests_stay_exact_beside_sampled_ones(smol, oracle_url):
-    """Sampled requests (rejection sampling against the draft's q) share the batch with greedy ones."""
-    sampled = dict(temperature=0.8, top_p=0.9, top_k=40, max_new_tokens=64)
-    jobs = [(ids, dict(temperature=0, max_new_tokens=NEW_TOKENS)) for ids in smol["inputs"][:6]] + \
-           [(ids, sampled) for ids in smol["inputs"][20:26]]
-    with ThreadPoolExecutor(12) as pool:
-        outs = list(pool.map(lambda job: generate(oracle_url, job[0], **job[1]), jobs))
-    assert_same(outs[:6], smol["base"][:6], "greedy beside sampled")
-    for out in outs[6:]:
-        assert 1 <= len(out["output_ids"]) <= 64 and out["meta_info"]["spec_verify_ct"] >= 1
