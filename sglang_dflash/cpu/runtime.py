@@ -80,8 +80,10 @@ def _has_flag(argv: list[str], *flags: str) -> bool:
 def cpu_server_env(argv: list[str], env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """The launch_server arguments and environment for SGLang's CPU engine.
 
-    Adds `--device cpu` unless a device is given; with --tp N splits this machine's
-    cores into N groups, one per rank. The caller's own settings always win.
+    Adds `--device cpu` unless a device is given, and `--sleep-on-idle` (an idle SGLang
+    scheduler otherwise polls at 100% of a core, which starves every other process on a
+    small CPU machine); with --tp N splits this machine's cores into N groups, one per
+    rank. The caller's own settings always win.
     """
     env = dict(os.environ if env is None else env)
     argv = list(argv)
@@ -90,6 +92,8 @@ def cpu_server_env(argv: list[str], env: dict[str, str] | None = None) -> tuple[
     env["LD_LIBRARY_PATH"] = ":".join(p for p in (stub, env.get("LD_LIBRARY_PATH", "")) if p)
     if not _has_flag(argv, "--device"):
         argv += ["--device", "cpu"]
+    if not _has_flag(argv, "--sleep-on-idle"):
+        argv += ["--sleep-on-idle"]
     tp = _tp_size(argv)
     if tp > 1:
         cores = sorted(os.sched_getaffinity(0))
