@@ -1,10 +1,12 @@
-"""The `sglang-dflash` command: serve, doctor, prepare-target, demo."""
+"""The `sglang-dflash` command: serve, doctor, prepare-target, train, eval-draft, bench, demo."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
 
 
 def cmd_serve(argv: list[str]) -> int:
@@ -54,6 +56,56 @@ def cmd_prepare_target(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from sglang_dflash.train.recipe import Recipe, run
+    from sglang_dflash.train.trainer import FitConfig
+
+    fit_fields = {f for f in FitConfig.__dataclass_fields__}
+    fit = FitConfig(**{k: v for k, v in vars(args).items() if k in fit_fields and v is not None})
+    recipe = Recipe(target=args.target, prompts=args.prompts, out=args.out, work=args.work or args.out + ".work",
+                    num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, generator=args.generator,
+                    server_url=args.server_url, gen_dtype=args.gen_dtype, gen_concurrency=args.gen_concurrency,
+                    feature_dtype=args.feature_dtype, num_layers=args.num_layers, block_size=args.block_size,
+                    mask_token_id=args.mask_token_id, target_layer_ids=args.target_layer_ids, init=args.init,
+                    fit=fit, device=args.device)
+    metrics = run(recipe)
+    print(json.dumps(metrics, indent=2))
+    return 0
+
+
+def cmd_eval_draft(args) -> int:
+    import torch
+
+    from sglang_dflash.models.reference import DFlashDraftModel
+    from sglang_dflash.train.data import read_prompts
+    from sglang_dflash.train.evaluate import eval_draft
+    from sglang_dflash.train.recipe import load_target
+
+    dtype = getattr(torch, args.dtype)
+    target, tok = load_target(args.target, dtype)
+    draft = DFlashDraftModel.from_pretrained(args.draft, dtype=dtype)
+    draft.config.check_target(target.config)
+    report = {}
+    for path in args.prompts:
+        prompts = read_prompts(path, args.num_prompts)
+        report[path] = eval_draft(target, tok, draft, prompts, args.max_new_tokens)
+        r = report[path]
+        print(f"{path}: τ {r['tau']:.3f} over {r['verify_steps']} verify steps, {r['prompts']} prompts; "
+              f"acceptance by row {r['accept_rate_by_row']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from sglang_dflash.bench import bench
+
+    results = bench(args)
+    print((Path(args.out) / "results.md").read_text(), end="")
+    print(f"results: {Path(args.out) / 'results.json'}" + "".join(f"\nplot: {p}" for p in results["plots"]))
+    return 0 if all(r["identical"] is not False for rows in results["side_by_side"].values() for r in rows) else 1
+
+
 def cmd_demo(args) -> int:
     from sglang_dflash.demo import run_demo
 
@@ -72,9 +124,46 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name", choices=["smollm2", "tiny-qwen3"])
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_prepare_target)
-    p = sub.add_parser("demo", help="speculative generation on SmolLM2 (Transformers backend)")
-    p.add_argument("--out", default=None, help="where to keep the target model (default: the cache)")
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    p = sub.add_parser("train", help="train a DFlash draft for a target (resumable: re-run the same command)")
+    p.add_argument("--target", required=True, help="the target model folder")
+    p.add_argument("--prompts", nargs="+", required=True, help="JSONL prompt sets (field 'prompt')")
+    p.add_argument("--out", required=True, help="where the draft checkpoint (published format) goes")
+    p.add_argument("--work", default=None, help="responses, feature cache, optimizer state (default OUT.work)")
+    p.add_argument("--num-prompts", type=int, default=None, help="at most this many prompts per file")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--generator", choices=["sglang", "hf"], default="sglang",
+                   help="who regenerates the responses: an SGLang server (launched, or --server-url) or Transformers")
+    p.add_argument("--server-url", default=None)
+    p.add_argument("--gen-dtype", default="bfloat16")
+    p.add_argument("--gen-concurrency", type=int, default=32)
+    p.add_argument("--feature-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--num-layers", type=int, default=3)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--mask-token-id", type=int, default=None)
+    p.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
+    p.add_argument("--init", choices=["target", "random"], default="target")
+    p.add_argument("--device", default="cpu")
+    for name, f in __import__("sglang_dflash.train.trainer", fromlist=["FitConfig"]).FitConfig.__dataclass_fields__.items():
+        kind = type(f.default)
+        if kind is bool:
+            p.add_argument("--" + name.replace("_", "-"), type=lambda s: s.lower() in ("1", "true", "yes"), default=None)
+        else:
+            p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=f"default {f.default}")
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("eval-draft", help="τ and per-row acceptance of a draft (Transformers backend, greedy)")
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", required=True)
+    p.add_argument("--prompts", nargs="+", required=True)
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--json", default=None, help="write the full report here")
+    p.set_defaults(func=cmd_eval_draft)
+    p = sub.add_parser("bench", help="τ and speedup, DFLASH against no speculation, side by side on real servers")
+    __import__("sglang_dflash.bench", fromlist=["add_arguments"]).add_arguments(p)
+    p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("demo", help="DFLASH vs no speculation side by side on SGLang servers (SmolLM2 by default)")
+    __import__("sglang_dflash.demo", fromlist=["add_demo_arguments"]).add_demo_arguments(p)
     p.set_defaults(func=cmd_demo)
     args = parser.parse_args(argv)
     return args.func(args)

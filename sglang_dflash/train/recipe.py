@@ -1,0 +1,116 @@
+"""The training recipe end to end: target + prompt set -> a DFlash draft in the published format.
+
+    regenerate  the target's greedy responses (SGLang server, or Transformers)   work/responses.jsonl
+    features    the target's hidden states at the draft's layers, cached           work/features/
+    fit         the DFlash objective, resumable                                    work/checkpoint.pt -> out/
+
+Each phase skips what is already done, so re-running the same command resumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from sglang_dflash.config import DraftConfig, draft_config_for_target
+from sglang_dflash.models.reference import DFlashDraftModel
+from sglang_dflash.train import data
+from sglang_dflash.train.features import build_feature_cache
+from sglang_dflash.train.trainer import FitConfig, Frozen, fit, init_from_target, training_vocab
+
+
+@dataclasses.dataclass
+class Recipe:
+    target: str
+    prompts: list[str]  # JSONL files
+    out: str
+    work: str
+    num_prompts: int | None = None  # per file
+    max_new_tokens: int = 256
+    generator: str = "sglang"  # sglang | hf
+    server_url: str | None = None  # use a running server instead of launching one
+    gen_dtype: str = "bfloat16"
+    gen_concurrency: int = 32
+    feature_dtype: str = "bfloat16"
+    num_layers: int = 3
+    block_size: int = 16
+    mask_token_id: int | None = None
+    target_layer_ids: list[int] | None = None
+    init: str = "target"  # target | random
+    fit: FitConfig = dataclasses.field(default_factory=FitConfig)
+    device: str = "cpu"
+
+
+def load_target(path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return model, tok
+
+
+def regenerate(r: Recipe, tok, target_fp32=None) -> list[dict]:
+    prompts = [p for f in r.prompts for p in data.read_prompts(f, r.num_prompts)]
+    out = Path(r.work) / "responses.jsonl"
+    if r.generator == "hf":
+        model = target_fp32 if target_fp32 is not None else load_target(r.target, torch.float32)[0]
+        data.regenerate_with_hf(model, tok, prompts, out, r.max_new_tokens)
+    elif r.server_url:
+        data.regenerate_with_server(r.server_url, tok, prompts, out, r.max_new_tokens, r.gen_concurrency)
+    elif data._todo(prompts, out):
+        from sglang_dflash.server import sglang_server
+
+        with sglang_server(r.target, "--dtype", r.gen_dtype, "--max-running-requests", str(r.gen_concurrency),
+                           log_path=str(Path(r.work) / "regenerate-server.log"), timeout=600) as url:
+            data.regenerate_with_server(url, tok, prompts, out, r.max_new_tokens, r.gen_concurrency)
+    wanted = {p["id"] for p in prompts}
+    return [row for row in data.read_responses(out) if row["id"] in wanted]
+
+
+def draft_config(r: Recipe, target, tok) -> DraftConfig:
+    mask = r.mask_token_id if r.mask_token_id is not None else tok.mask_token_id
+    if mask is None:
+        raise ValueError(f"the tokenizer of {r.target} has no mask token: give --mask-token-id "
+                         "(an id the target's text never contains, e.g. an unused special token)")
+    return draft_config_for_target(target.config, num_layers=r.num_layers, block_size=r.block_size,
+                                   mask_token_id=mask, target_layer_ids=r.target_layer_ids)
+
+
+def run(r: Recipe) -> dict:
+    work = Path(r.work)
+    work.mkdir(parents=True, exist_ok=True)
+    settings = work / "recipe.json"
+    if settings.exists():
+        old = json.loads(settings.read_text())
+        for key in ("target", "num_layers", "block_size", "target_layer_ids", "mask_token_id"):
+            if old.get(key) != dataclasses.asdict(r).get(key):
+                raise ValueError(f"{work} was made with {key}={old.get(key)!r}, this run asks {key}="
+                                 f"{dataclasses.asdict(r).get(key)!r}: use another --work folder")
+    settings.write_text(json.dumps(dataclasses.asdict(r), indent=2) + "\n")
+
+    target, tok = load_target(r.target, getattr(torch, r.feature_dtype))
+    cfg = draft_config(r, target, tok)
+    cfg.check_target(target.config)
+    responses = regenerate(r, tok, target if r.feature_dtype == "float32" else None)
+    cache = build_feature_cache(target, responses, cfg.target_layer_ids, work / "features")
+    seqs = cache.load()
+
+    torch.manual_seed(r.fit.seed)
+    draft = DFlashDraftModel.random(cfg, seed=r.fit.seed)
+    if r.init == "target":
+        init_from_target(draft, target)
+    frozen = Frozen(target.get_input_embeddings().weight.float(), target.get_output_embeddings().weight.float(),
+                    training_vocab(seqs, cfg.vocab_size))
+    del target
+    metrics = fit(draft, frozen, seqs, r.fit, work, r.out, device=r.device)
+    write_card(r, metrics, len(seqs), sum(s.tokens.numel() - s.prompt_len for s in seqs))
+    return metrics
+
+
+def write_card(r: Recipe, metrics: dict, num_seqs: int, num_tokens: int) -> None:
+    card = Path(r.out) / "TRAINING.json"
+    card.write_text(json.dumps({"recipe": dataclasses.asdict(r), "sequences": num_seqs,
+                                "response_tokens": num_tokens, "final": metrics}, indent=2) + "\n")

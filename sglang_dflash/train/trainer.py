@@ -1,0 +1,232 @@
+"""Fit a DFlash draft to cached target features (train/features.py) with the objective of train/objective.py.
+
+One optimizer step = `seqs_per_step` sequences, each with `blocks_per_seq` random
+anchors, all of a sequence's blocks in one draft forward. The loss on block row k
+(weight exp(-(k-1)/gamma)) is cross-entropy on the target's token plus `kl_weight` ×
+KL(target ‖ draft), both over the training vocabulary: the tokens that occur in the
+training sequences (the frozen 49k-row head is most of the cost; the tokens the
+target actually emits are a few thousand). The shared embedding and lm_head are
+frozen and not part of the draft checkpoint.
+
+Everything needed to resume (weights, AdamW state, step, RNG) is saved in
+`work/checkpoint.pt` every `save_every` steps; the published-format draft is
+exported to `out` at the same time. Held-out sequences give a teacher-forced
+acceptance figure (greedy, full vocabulary): τ_est = 1 + mean accepted drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from sglang_dflash.models.reference import DFlashDraftModel
+from sglang_dflash.train.features import Sequence
+from sglang_dflash.train.objective import (IGNORE, accepted_prefix, block_attention_mask, block_inputs,
+                                           expected_tau, position_weights, sample_anchors)
+
+
+@dataclasses.dataclass
+class FitConfig:
+    steps: int = 1000
+    seqs_per_step: int = 4
+    blocks_per_seq: int = 32
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup: int = 50
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    gamma: float = 7.0
+    kl_weight: float = 1.0
+    heldout: int = 32  # sequences kept out of training for the acceptance figure
+    eval_every: int = 100
+    save_every: int = 100
+    seed: int = 0
+    autocast: bool = True  # bf16 autocast (CPU or CUDA)
+    stop_at: int = 0  # when > 0, pause after this step (checkpointed; the same command resumes)
+
+
+def lr_at(step: int, cfg: FitConfig) -> float:
+    """Linear warm-up, then cosine decay to min_lr_ratio × lr."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def training_vocab(seqs: list[Sequence], vocab_size: int) -> torch.Tensor:
+    """Sorted ids of every token in the sequences -> [V']."""
+    seen = torch.zeros(vocab_size, dtype=torch.bool)
+    for s in seqs:
+        seen[s.tokens] = True
+    return seen.nonzero().view(-1)
+
+
+class Frozen:
+    """The target's embedding and lm_head rows the draft uses, frozen."""
+
+    def __init__(self, embed: torch.Tensor, head: torch.Tensor, vocab: torch.Tensor):
+        self.embed = embed.detach()  # [V, H]
+        self.head = head.detach()  # [V, H]
+        self.vocab = vocab  # [V'] ids
+        self.head_sub = self.head[vocab]  # [V', H]
+        self.to_sub = torch.full((head.shape[0],), -1, dtype=torch.long)
+        self.to_sub[vocab] = torch.arange(vocab.numel())
+
+
+def draft_hidden(draft: DFlashDraftModel, frozen: Frozen, seq: Sequence, anchors: torch.Tensor, device):
+    """All blocks of one sequence in one forward -> hidden [N, B, H], positions [N, B], labels [N, B]."""
+    B, T = draft.config.block_size, seq.tokens.numel()
+    dtype = next(draft.parameters()).dtype
+    ids, positions, labels = block_inputs(seq.tokens, anchors, B, draft.config.mask_token_id)
+    embeds = frozen.embed[ids.view(-1)].to(device, dtype)[None]  # [1, Q, H]
+    context = draft.context_kv(seq.context.to(device, dtype)[None], torch.arange(T, device=device)[None])
+    mask = block_attention_mask(anchors, T, B).to(device)[None, None]  # [1, 1, Q, T + Q]
+    hidden = draft(embeds, positions.view(1, -1).to(device), context, mask)
+    return hidden.view(*ids.shape, -1), positions, labels
+
+
+def sequence_loss(draft, frozen: Frozen, seq: Sequence, anchors, weights, cfg: FitConfig, device):
+    """Weighted CE (+ KL to the target) over the training vocabulary for one sequence's blocks -> (loss, Σw)."""
+    hidden, positions, labels = draft_hidden(draft, frozen, seq, anchors, device)
+    keep = labels != IGNORE  # [N, B] (on the CPU, like the cached features)
+    h = hidden[keep.to(device)]  # [R, H]
+    w = weights[None].expand_as(labels)[keep].to(device)  # [R]
+    head = frozen.head_sub.to(device, h.dtype)
+    logits = (h @ head.T).float()  # [R, V']
+    ce = F.cross_entropy(logits, frozen.to_sub[labels[keep]].to(device), reduction="none")
+    loss = ce
+    if cfg.kl_weight:
+        teacher = seq.final[(positions - 1)[keep]].to(device, h.dtype)  # the target's state that predicts each label
+        t_logp = torch.log_softmax((teacher @ head.T).float(), dim=-1)
+        kl = (t_logp.exp() * (t_logp - torch.log_softmax(logits, dim=-1))).sum(-1)
+        loss = ce + cfg.kl_weight * kl
+    return (loss * w).sum(), w.sum()
+
+
+@torch.no_grad()
+def heldout_tau(draft, frozen: Frozen, seqs: list[Sequence], device, blocks_per_seq: int = 16, seed: int = 1234):
+    """Teacher-forced greedy acceptance with the full head on held-out sequences -> (τ_est, per-row acceptance)."""
+    gen = torch.Generator().manual_seed(seed)
+    accepted = []
+    for seq in seqs:
+        anchors = sample_anchors(seq.prompt_len, seq.tokens.numel(), blocks_per_seq, gen)
+        if anchors.numel() == 0:
+            continue
+        hidden, _, labels = draft_hidden(draft, frozen, seq, anchors, device)
+        pred = (hidden.float() @ frozen.head.to(device).float().T).argmax(-1).cpu()
+        accepted.append(accepted_prefix(pred, labels))
+    acc = torch.cat(accepted) if accepted else torch.empty(0, dtype=torch.long)
+    B = draft.config.block_size
+    per_row = [(acc >= k).float().mean().item() for k in range(1, B)] if acc.numel() else []
+    return expected_tau(acc), per_row
+
+
+def fit(draft: DFlashDraftModel, frozen: Frozen, seqs: list[Sequence], cfg: FitConfig, work: str | Path,
+        out: str | Path, device="cpu", progress: bool = True) -> dict:
+    """Train draft in place (resuming from work/checkpoint.pt) and export it to out -> the last metrics."""
+    work, out = Path(work), Path(out)
+    work.mkdir(parents=True, exist_ok=True)
+    n_held = cfg.heldout if len(seqs) > 2 * cfg.heldout else 0
+    train_seqs, held = seqs[:len(seqs) - n_held], seqs[len(seqs) - n_held:]
+    if not train_seqs:
+        raise ValueError("no training sequences")
+    draft.to(device).train()
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    weights = position_weights(draft.config.block_size, cfg.gamma)
+    step, metrics = 0, {}
+    ckpt = work / "checkpoint.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        draft.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        step, metrics = state["step"], state.get("metrics", {})
+    log = open(work / "log.jsonl", "a")
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=step, desc="train", dynamic_ncols=True)
+    amp = torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=cfg.autocast)
+    t0 = time.time()
+    end = min(cfg.steps, cfg.stop_at) if cfg.stop_at > 0 else cfg.steps
+    while step < end:
+        # the order of sequences and anchors is a function of the step alone, so a resumed run repeats nothing
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        picks = torch.randint(len(train_seqs), (cfg.seqs_per_step,), generator=gen).tolist()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        opt.zero_grad(set_to_none=True)
+        total, wsum = 0.0, 0.0
+        with amp:
+            for i in picks:
+                seq = train_seqs[i]
+                anchors = sample_anchors(seq.prompt_len, seq.tokens.numel(), cfg.blocks_per_seq, gen)
+                if anchors.numel() == 0:
+                    continue
+                loss, w = sequence_loss(draft, frozen, seq, anchors, weights, cfg, device)
+                loss.backward()
+                total, wsum = total + loss.item(), wsum + w.item()
+        if wsum:
+            for p in params:
+                if p.grad is not None:
+                    p.grad /= wsum
+            torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+            opt.step()
+        step += 1
+        metrics.update(step=step, loss=total / max(wsum, 1e-9), lr=lr_at(step - 1, cfg),
+                       seconds=round(time.time() - t0, 1))
+        if held and (step % cfg.eval_every == 0 or step == cfg.steps):
+            draft.eval()
+            with amp:
+                metrics["heldout_tau"], metrics["heldout_accept"] = heldout_tau(draft, frozen, held, device)
+            draft.train()
+        if step % cfg.save_every == 0 or step == end:
+            save_checkpoint(draft, opt, step, metrics, ckpt, out)
+        log.write(json.dumps(metrics) + "\n")
+        log.flush()
+        if bar:
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics.get('heldout_tau', float('nan')):.2f}")
+    if bar:
+        bar.close()
+    log.close()
+    draft.eval()
+    return metrics
+
+
+def save_checkpoint(draft, opt, step, metrics, ckpt: Path, out: Path) -> None:
+    tmp = ckpt.with_suffix(".tmp")
+    torch.save({"model": draft.state_dict(), "optimizer": opt.state_dict(), "step": step, "metrics": metrics}, tmp)
+    tmp.replace(ckpt)
+    export = DFlashDraftModel(draft.config)
+    export.load_state_dict({k: v.detach().to(torch.bfloat16) for k, v in draft.state_dict().items()}, assign=True)
+    export.save_pretrained(out)
+    (out / "training_state.json").write_text(json.dumps(metrics, indent=2) + "\n")
+
+
+def init_from_target(draft: DFlashDraftModel, target) -> list[str]:
+    """Start the draft's layers as copies of the target's last layers (same shapes), its final norm as the
+    target's, and the context projection as the identity on the last feature layer -> what was copied."""
+    layers = target.model.layers
+    n = len(draft.layers)
+    copied = []
+    with torch.no_grad():
+        for i, layer in enumerate(draft.layers):
+            src = layers[len(layers) - n + i]
+            for name, p in layer.named_parameters():
+                sp = dict(src.named_parameters()).get(name)
+                if sp is not None and sp.shape == p.shape:
+                    p.copy_(sp.float())
+                    copied.append(f"layers.{i}.{name}")
+        draft.norm.weight.copy_(target.model.norm.weight.float())
+        H = draft.config.hidden_size
+        draft.fc.weight.normal_(0, 0.02 / math.sqrt(draft.config.num_features))
+        draft.fc.weight[:, -H:] += torch.eye(H)
+    return copied

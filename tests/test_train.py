@@ -1,0 +1,131 @@
+"""The training recipe: the objective's pieces against brute-force definitions, and short real runs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from sglang_dflash.train.objective import (IGNORE, accepted_prefix, block_attention_mask, block_inputs,
+                                           position_weights, sample_anchors)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_mask_equals_brute_force(seed):
+    gen = torch.Generator().manual_seed(seed)
+    T = int(torch.randint(5, 60, (1,), generator=gen))
+    P = int(torch.randint(1, T - 2, (1,), generator=gen))
+    B = int(torch.randint(2, 9, (1,), generator=gen))
+    anchors = sample_anchors(P, T, 7, gen)
+    assert anchors.numel() == min(7, T - 1 - P) and (anchors >= P).all() and (anchors <= T - 2).all()
+    mask = block_attention_mask(anchors, T, B)
+    N = anchors.numel()
+    assert mask.shape == (N * B, T + N * B)
+    for q in range(N * B):
+        j = q // B
+        for key in range(T + N * B):
+            if key < T:
+                want = key < anchors[j]  # context strictly before the anchor
+            else:
+                want = (key - T) // B == j  # its own block, both directions; never another block
+            assert bool(mask[q, key]) == want, (q, key)
+
+
+def test_block_inputs_and_labels():
+    tokens = torch.arange(100, 120)  # T = 20
+    ids, pos, labels = block_inputs(tokens, torch.tensor([3, 15]), block_size=8, mask_token_id=7)
+    assert ids[0].tolist() == [103] + [7] * 7 and ids[1, 0] == 115
+    assert pos[1].tolist() == list(range(15, 23))
+    assert labels[0].tolist() == [IGNORE] + list(range(104, 111))
+    assert labels[1].tolist() == [IGNORE, 116, 117, 118, 119] + [IGNORE] * 3  # past the end of the sequence
+
+
+def test_position_weights():
+    w = position_weights(16, gamma=7.0)
+    assert w[0] == 0 and w[1] == 1
+    for k in range(2, 16):
+        assert math.isclose(w[k].item(), math.exp(-(k - 1) / 7), rel_tol=1e-6)
+
+
+def test_accepted_prefix():
+    labels = torch.tensor([[IGNORE, 1, 2, 3, 4], [IGNORE, 1, 2, 3, 4], [IGNORE, 1, 2, IGNORE, IGNORE]])
+    pred = torch.tensor([[9, 1, 2, 0, 4], [9, 0, 2, 3, 4], [9, 1, 2, 3, 4]])
+    assert accepted_prefix(pred, labels).tolist() == [2, 0, 2]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_qwen3_path, prompts, tmp_path_factory):
+    """A short real recipe run on tiny-qwen3 (Transformers regeneration, float32 features), paused halfway
+    and resumed, next to an uninterrupted run of the same length."""
+    from sglang_dflash.train.recipe import Recipe, run
+    from sglang_dflash.train.trainer import FitConfig
+
+    base = tmp_path_factory.mktemp("train")
+    file = base / "prompts.jsonl"
+    file.write_text("".join(json.dumps({"id": str(i), "prompt": p["prompt"]}) + "\n" for i, p in enumerate(prompts[:12])))
+
+    def recipe(name, **fit):
+        cfg = FitConfig(steps=600, seqs_per_step=2, blocks_per_seq=8, lr=2e-3, warmup=10, heldout=0, eval_every=1000,
+                        save_every=1000, **fit)
+        return Recipe(target=str(tiny_qwen3_path), prompts=[str(file)], out=str(base / name), work=str(base / ("work-" + name)),
+                      max_new_tokens=48, generator="hf", feature_dtype="float32", num_layers=1, block_size=8,
+                      mask_token_id=151669, target_layer_ids=[1, 2], init="random", fit=cfg)
+
+    straight = recipe("straight")
+    paused = recipe("paused", stop_at=300)
+    first = run(paused)
+    # the responses and features are cached; the resumed run reuses the same folder
+    (base / "work-straight").mkdir()
+    for f in ("responses.jsonl",):
+        (base / "work-straight" / f).write_text((base / "work-paused" / f).read_text())
+    run_straight = run(straight)
+    paused.fit.stop_at = 0
+    resumed = run(paused)
+    return dict(base=base, file=file, first=first, straight=run_straight, resumed=resumed, recipe=straight)
+
+
+def test_training_lowers_the_loss_and_raises_tau(tiny_run, tiny_qwen3_path):
+    from sglang_dflash.models.reference import DFlashDraftModel
+    from sglang_dflash.train.data import read_prompts
+    from sglang_dflash.train.evaluate import eval_draft
+    from sglang_dflash.train.recipe import load_target
+
+    log = [json.loads(line) for line in (tiny_run["base"] / "work-straight" / "log.jsonl").read_text().splitlines()]
+    first, last = sum(m["loss"] for m in log[:10]) / 10, sum(m["loss"] for m in log[-10:]) / 10
+    print(f"loss {first:.2f} (first 10 steps) -> {last:.2f} (last 10)")
+    assert last < 0.5 * first, (first, last)
+    target, tok = load_target(str(tiny_qwen3_path), torch.float32)
+    trained = DFlashDraftModel.from_pretrained(tiny_run["base"] / "straight", dtype=torch.float32)
+    untrained = DFlashDraftModel.random(trained.config, seed=0)
+    prompts = read_prompts(tiny_run["file"], 6)
+    after = eval_draft(target, tok, trained, prompts, max_new_tokens=48, progress=False)
+    before = eval_draft(target, tok, untrained, prompts, max_new_tokens=48, progress=False)
+    print(f"tiny-qwen3 on its own prompts: τ {before['tau']:.2f} untrained -> {after['tau']:.2f} trained")
+    assert after["tau"] > before["tau"] + 0.5
+    assert len(after["accept_rate_by_row"]) == 7 and after["accept_rate_by_row"] == sorted(after["accept_rate_by_row"], reverse=True)
+
+
+def test_a_resumed_run_continues_where_it_paused(tiny_run):
+    assert tiny_run["first"]["step"] == 300 and tiny_run["resumed"]["step"] == 600
+    a = (tiny_run["base"] / "straight" / "model.safetensors").read_bytes()
+    b = (tiny_run["base"] / "paused" / "model.safetensors").read_bytes()
+    assert a == b, "pausing at step 300 and resuming did not give the uninterrupted run's weights"
+
+
+def test_trained_checkpoint_loads_in_the_serving_path(tiny_run, tiny_qwen3_path):
+    from safetensors.torch import load_file
+
+    from sglang_dflash.config import load_checked
+    from sglang_dflash.models.paged import PagedDraft
+    from sglang_dflash.models.reference import DFlashDraftModel
+
+    out = tiny_run["base"] / "straight"
+    cfg = load_checked(out, tiny_qwen3_path, num_draft_tokens=8)
+    assert cfg.block_size == 8 and cfg.target_layer_ids == [1, 2] and cfg.mask_token_id == 151669
+    weights = load_file(str(out / "model.safetensors"))
+    assert not any("embed" in k or "lm_head" in k for k in weights), "the frozen target parts must not be saved"
+    model = DFlashDraftModel.from_pretrained(out, dtype=torch.float32)
+    PagedDraft(model, num_slots=64, device="cpu", dtype=torch.float32)
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
