@@ -1,9 +1,13 @@
 """Acceptance rules: greedy on constructed cases; rejection sampling exact by enumeration."""
 
 
+import functools
+import itertools
+
+import pytest
 import torch
 
-from sglang_dflash.accept import accept_greedy, accept_sampled
+from sglang_dflash.accept import accept_greedy, accept_sampled, rejection_tables
 
 
 def one_hot_logits(tokens, vocab):
@@ -67,3 +71,67 @@ def test_accept_sampled_matches_target_empirically():
     emp2 = torch.bincount(second[both & (first == 1)], minlength=V).double() / (both & (first == 1)).sum()
     assert (emp2 - p[1]).abs().max() < 0.01
     assert set(acc.unique().tolist()) == {0, 1, 2}
+
+
+def random_tables(V: int, seed: int):
+    """p(. | prefix) of a random target and q_i(. | prefix) of a random draft, with zeros (top-k-style
+    truncation in p, tokens the draft never proposes in q), float64."""
+    g = torch.Generator().manual_seed(seed)
+
+    @functools.cache
+    def dist(key):
+        logits = torch.randn(V, generator=g, dtype=torch.float64) * 2
+        logits[torch.rand(V, generator=g) < 0.25] = -torch.inf
+        if torch.isinf(logits).all():
+            logits[0] = 0.0
+        return torch.softmax(logits, -1)
+
+    return (lambda prefix: dist(("p", prefix))), (lambda prefix, i: dist(("q", prefix, i)))
+
+
+def exact_output_distribution(p_of, q_of, B: int, V: int, L: int) -> dict:
+    """The exact law of the first L generated tokens when every step drafts B-1 tokens independently
+    from q_i(. | committed prefix), and rejection_tables decides what is committed; by enumerating
+    every draft and every accept/stop outcome (no sampling)."""
+
+    @functools.cache
+    def from_prefix(prefix):
+        if len(prefix) >= L:
+            return {prefix[:L]: 1.0}
+        out = {}
+        for drafts in itertools.product(range(V), repeat=B - 1):
+            q = torch.stack([q_of(prefix, i) for i in range(B - 1)])
+            p_drafts = float(torch.prod(q[torch.arange(B - 1), list(drafts)]))
+            if p_drafts == 0:
+                continue
+            p = torch.stack([p_of(prefix + drafts[:i]) for i in range(B)])
+            accept, stop = rejection_tables(torch.tensor([drafts]), q[None], p[None])
+            reach = 1.0  # probability that the first k drafts were accepted
+            for k in range(B):
+                p_stop_here = reach * (1 - float(accept[0, k])) if k < B - 1 else reach
+                for x in range(V):
+                    w = p_drafts * p_stop_here * float(stop[0, k, x])
+                    if w > 0:
+                        for seq, pr in from_prefix(prefix + drafts[:k] + (x,)).items():
+                            out[seq] = out.get(seq, 0.0) + w * pr
+                if k < B - 1:
+                    reach *= float(accept[0, k])
+        return out
+
+    return from_prefix(())
+
+
+@pytest.mark.parametrize("B", [2, 3, 4])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rejection_sampling_is_exact_by_enumeration(B, seed):
+    """For random prefix-dependent p and q (with zeros), the law of the first 4 generated tokens under
+    draft -> rejection_tables -> commit, repeated, equals the target's own autoregressive law."""
+    V, L = 3, 4
+    p_of, q_of = random_tables(V, seed)
+    got = exact_output_distribution(p_of, q_of, B, V, L)
+    for seq in itertools.product(range(V), repeat=L):
+        want = 1.0
+        for j in range(L):
+            want *= float(p_of(seq[:j])[seq[j]])
+        assert abs(got.get(seq, 0.0) - want) < 1e-12, (seq, got.get(seq, 0.0), want)
+    assert abs(sum(got.values()) - 1) < 1e-12

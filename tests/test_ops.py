@@ -108,16 +108,23 @@ def test_paged_draft_matches_reference_model():
         torch.testing.assert_close(hidden[i:i + 1], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_filtered_probs_matches_sglang_sampler():
+@pytest.mark.parametrize("case", ["mixed", "no top_p", "temperature only", "min_p only"])
+def test_filtered_probs_matches_sglang_sampler(case):
     from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
 
     g = torch.Generator().manual_seed(2)
     N, V = 6, 50
     logits = torch.randn(N, V, generator=g) * 3
     temps = torch.tensor([0.7, 1.0, 1.3, 1.0, 0.5, 1.0])
-    top_ks = torch.tensor([50, 20, 50, 1, 5, 50])
+    top_ks = torch.tensor([50, 20, 50, 1, 5, 1 << 30])  # 1 << 30: SGLang's "no top-k"
     top_ps = torch.tensor([1.0, 1.0, 0.9, 1.0, 0.8, 0.95])
     min_ps = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.1])
+    if case != "mixed":  # the paths that sort nothing
+        top_ps = torch.ones(N)
+    if case in ("temperature only", "min_p only"):
+        top_ks = torch.full((N,), 1 << 30)
+    if case == "temperature only":
+        min_ps = torch.zeros(N)
     ours = filtered_probs(logits, temps, top_ks, top_ps, min_ps)
     probs = torch.softmax(logits / temps[:, None], -1)
     _, probs_sort, probs_idx, _ = top_k_top_p_min_p_sampling_from_probs_torch(
@@ -125,4 +132,5 @@ def test_filtered_probs_matches_sglang_sampler():
     theirs = torch.zeros_like(probs).scatter_(-1, probs_idx.long(), probs_sort)
     theirs = theirs / theirs.sum(-1, keepdim=True)
     torch.testing.assert_close(ours, theirs)
-    assert torch.equal(ours[3] > 0, F.one_hot(logits[3].argmax(), V).bool())  # top_k 1 is greedy
+    if top_ks[3] == 1:
+        assert torch.equal(ours[3] > 0, F.one_hot(logits[3].argmax(), V).bool())  # top_k 1 is greedy
