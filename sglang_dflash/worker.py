@@ -12,7 +12,9 @@ Shapes: bs requests, B block size, V vocabulary, F = features × hidden.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 
 import torch
 
@@ -67,6 +69,9 @@ class DFlashWorker(_base()):
         self.vocab_size = self.model_runner.model_config.vocab_size
         self.lm_head_weight = target.lm_head.weight[: self.vocab_size]
         self.layer_ids = self.config.target_layer_ids
+        # SGLANG_DFLASH_STATS_FILE: keep a histogram of tokens committed per verify step there (for benchmarks)
+        self.stats_file = os.environ.get("SGLANG_DFLASH_STATS_FILE")
+        self.accept_hist = torch.zeros(self.block_size + 1, dtype=torch.long)
         logger.info("sglang-dflash %s DFLASH worker: draft %s (%d layers, block %d, target layers %s), %s %s",
                     __version__, server_args.speculative_draft_model_path, len(self.draft_model.layers), self.block_size,
                     self.layer_ids, self.device, self.dtype)
@@ -140,6 +145,8 @@ class DFlashWorker(_base()):
         accept_len, next_token = self.accept(draft_tokens, q, logits, batch.sampling_info if sampled else None)
         commit_lens = accept_len + 1  # the old bonus + accepted drafts enter the KV; next_token is the new bonus
         self.commit(features, positions, slots, commit_lens)
+        if self.stats_file:
+            self.record_stats(commit_lens)
 
         out_tokens = torch.empty_like(block_ids)  # [bs, B]: row i emits out_tokens[i, :commit_lens[i]]
         out_tokens[:, : B - 1] = draft_tokens
@@ -150,6 +157,13 @@ class DFlashWorker(_base()):
             logits_output=logits_output, next_token_ids=out_tokens.reshape(-1), accept_lens=commit_lens.to(torch.int32),
             new_seq_lens=new_seq_lens, next_draft_input=make_draft_input(next_token, new_seq_lens),
             speculative_num_draft_tokens=B, can_run_cuda_graph=False)
+
+    def record_stats(self, commit_lens):
+        self.accept_hist += torch.bincount(commit_lens.cpu(), minlength=self.block_size + 1)
+        tmp = f"{self.stats_file}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"accept_length_histogram": self.accept_hist.tolist()}, f)
+        os.replace(tmp, self.stats_file)
 
     # ---- the five steps -------------------------------------------------
     def build_block(self, bonus_tokens, prefix_lens, req_pool_indices, req_to_token):

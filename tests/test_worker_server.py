@@ -74,17 +74,24 @@ def smol(smollm2_path, prompts, tmp_path_factory, smol_base_url):
 
 
 @pytest.fixture(scope="module")
-def oracle_url(smol, tmp_path_factory):
+def oracle_server(smol, tmp_path_factory):
     """A DFLASH server whose draft proposes the baseline's own continuation of the first 8 prompts
     (tests/oracle_plugin), so that nearly every verify accepts a whole block."""
     rows = [{"sequence": ids + ref["output_ids"], "prompt_len": len(ids)}
             for ids, ref in zip(smol["inputs"][:8], smol["base"][:8])]
-    file = tmp_path_factory.mktemp("oracle") / "sequences.json"
+    folder = tmp_path_factory.mktemp("oracle")
+    file = folder / "sequences.json"
     file.write_text(json.dumps(rows))
     env = {"PYTHONPATH": str(ORACLE_PLUGIN), "SGLANG_DFLASH_ORACLE": str(file),
+           "SGLANG_DFLASH_STATS_FILE": str(folder / "stats.json"),  # read by the benchmark test
            "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}  # a KV leak, seen when idle, stops the server
     with sglang_server(smol["path"], *dflash_args(smol["draft"]), env=env) as url:
-        yield url
+        yield {"url": url, "stats": folder / "stats.json"}
+
+
+@pytest.fixture(scope="module")
+def oracle_url(oracle_server):
+    return oracle_server["url"]
 
 
 def test_smollm2_lossless_float32(smol):
@@ -182,6 +189,54 @@ def test_abort_and_no_leaked_kv(smol, oracle_url):
     assert all(len(d["output_ids"]) == 4 for d in done)
     time.sleep(5)  # idle: SGLang checks that every KV slot is free or cached (strict mode: a leak kills it)
     assert requests.get(oracle_url + "/health_generate", timeout=60).status_code == 200
+
+
+def _bench(smol, base_url, url, out, *extra):
+    from sglang_dflash.cli import main
+
+    return main(["bench", "--tokenizer", str(smol["path"]), "--baseline-url", base_url, "--dflash-url", url,
+                 "--datasets", "mt-bench", "--dataset-path", str(Path(__file__).parent / "data" / "prompts.jsonl"),
+                 "--num-prompts", "6", "--concurrency", "1,3", "--max-new-tokens", "48", "--out", str(out), *extra])
+
+
+def test_bench_side_by_side_on_live_servers(smol, smol_base_url, oracle_server, tmp_path):
+    """The benchmark against the live baseline and oracle-draft servers: valid results, identical greedy
+    outputs, τ near the block size, the worker's accept-length histogram, the plots."""
+    rc = _bench(smol, smol_base_url, oracle_server["url"], tmp_path, "--dflash-stats-file", str(oracle_server["stats"]))
+    assert rc == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = results["side_by_side"]["mt-bench"]
+    assert [r["concurrency"] for r in rows] == [1, 3]
+    for r, run in zip(rows, results["dflash"]["mt-bench"]):
+        assert r["identical"] and r["baseline_tok_per_s"] > 0 and r["dflash_tok_per_s"] > 0
+        assert r["speedup"] == pytest.approx(r["dflash_tok_per_s"] / r["baseline_tok_per_s"])
+        assert r["tau"] > 8  # the oracle proposes the target's own continuation
+        assert len(run["per_request"]) == 6 and all(q["ttft_s"] > 0 and q["latency_s"] >= q["ttft_s"]
+                                                    for q in run["per_request"])
+        hist = run["accept_length_histogram"]
+        assert len(hist) == 17 and sum(hist) == sum(q["verify_steps"] for q in run["per_request"])
+        assert run["accept_rate_by_row"][0] > 0.9
+    assert "| mt-bench | 3 |" in (tmp_path / "results.md").read_text()
+    for name in ("tau_histogram.png", "acceptance_by_row.png", "speedup.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_flags_a_different_output(smol, smol_base_url, oracle_url, tmp_path, monkeypatch):
+    from sglang_dflash import bench
+
+    real = bench.stream_one
+
+    def one_token_changed(url, ids, sampling, timeout=1800):
+        r = real(url, ids, sampling, timeout)
+        if url == oracle_url and ids == smol["inputs"][2] and sampling["max_new_tokens"] > 8:
+            r.output_ids[-1] += 1
+        return r
+
+    monkeypatch.setattr(bench, "stream_one", one_token_changed)
+    assert _bench(smol, smol_base_url, oracle_url, tmp_path) == 1
+    rows = json.loads((tmp_path / "results.json").read_text())["side_by_side"]["mt-bench"]
+    assert all(not r["identical"] and r["differing_requests"] == [2] for r in rows)
+    assert "NO (1 differ)" in (tmp_path / "results.md").read_text()
 
 
 def test_tiny_qwen3_lossless_float32(tiny_qwen3_path, prompts, tmp_path):

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
 
+import requests
 import torch
 
 
@@ -65,13 +66,22 @@ def regenerate_with_server(url: str, tokenizer, prompts: list[dict], out: str | 
 
     def one(p):
         ids = chat_ids(tokenizer, p["prompt"])
-        r = generate(url, ids, temperature=0, max_new_tokens=max_new_tokens)
+        try:
+            r = generate(url, ids, timeout=3600, temperature=0, max_new_tokens=max_new_tokens)
+        except requests.RequestException as e:  # skipped now, retried by the next run
+            return {"id": p["id"], "error": str(e)}
         return {"id": p["id"], "prompt_ids": ids, "output_ids": r["output_ids"]}
 
+    failed = 0
     with open(out, "a") as f, ThreadPoolExecutor(concurrency) as pool:
         for row in _progress(pool.map(one, todo), len(todo), "regenerate", progress):
+            if "error" in row:
+                failed += 1
+                continue
             f.write(json.dumps(row) + "\n")
             f.flush()
+    if failed:
+        raise RuntimeError(f"{failed} of {len(todo)} regeneration requests failed (the rest are saved): run again")
     return out
 
 

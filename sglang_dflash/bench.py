@@ -1,0 +1,313 @@
+"""`sglang-dflash bench`: τ and speedup of DFLASH against no speculation, measured side by side on
+real SGLang servers over HTTP.
+
+For every dataset and concurrency the same prompts go to the baseline server and
+to the DFLASH server (both given by URL, or launched here one after the other on
+the same target with --launch). Per request: output tokens, verify steps, τ, time
+to first token, time per output token, latency. Per run: output tok/s, mean τ, the
+per-request τ histogram, the accept-length histogram and per-row acceptance (from
+the worker's statistics file, when the server was started with
+SGLANG_DFLASH_STATS_FILE, as --launch does), and whether the greedy outputs were
+identical. Results: results.json, results.md and PNG plots in --out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+REPO_DATA = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
+BOXED = "{}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+# name -> (hub dataset args, split, field, prompt template): the reference DFlash benchmark's names and formats
+DATASETS = {
+    "gsm8k": (("openai/gsm8k", "main"), "test", "question", BOXED),
+    "math500": (("HuggingFaceH4/MATH-500",), "test", "problem", BOXED),
+    "humaneval": (("openai/openai_humaneval",), "test", "prompt",
+                  "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{}\n```"),
+    "mbpp": (("google-research-datasets/mbpp", "sanitized"), "test", "prompt", "{}"),
+    "mt-bench": (("HuggingFaceH4/mt_bench_prompts",), "train", "prompt", "{}"),
+}
+
+
+# ---- prompts ---------------------------------------------------------------
+def load_prompts(name: str, num: int, dataset_path: str | None = None) -> list[dict]:
+    """[{id, prompt}] with the dataset's prompt format applied: from dataset_path (JSONL with `prompt` or
+    `turns`), else the hub when it answers, else the subset shipped in benchmarks/data/."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}: choose from {', '.join(DATASETS)}")
+    hub, split, field, template = DATASETS[name]
+    if dataset_path:
+        rows = _read_jsonl(Path(dataset_path), "prompt")
+    elif _hub_reachable():
+        from datasets import load_dataset
+
+        rows = [{"id": str(i), "prompt": r[field][0] if isinstance(r[field], list) else r[field]}
+                for i, r in enumerate(load_dataset(*hub, split=split))]
+    elif (REPO_DATA / f"{name}.jsonl").exists():
+        rows = _read_jsonl(REPO_DATA / f"{name}.jsonl", "prompt")
+    else:
+        raise FileNotFoundError(f"dataset {name!r}: the Hugging Face hub is unreachable and benchmarks/data/ "
+                                f"has no {name}.jsonl; give --dataset-path FILE.jsonl")
+    return [{"id": r["id"], "prompt": template.format(r["prompt"])} for r in rows[:num]]
+
+
+def _read_jsonl(path: Path, field: str) -> list[dict]:
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if line.strip():
+            r = json.loads(line)
+            text = r["turns"][0] if "turns" in r else r.get(field)
+            if text is None:
+                raise ValueError(f"{path}:{i + 1}: neither 'turns' nor '{field}'")
+            rows.append({"id": str(r.get("id", i)), "prompt": text})
+    return rows
+
+
+def _hub_reachable() -> bool:
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        return False
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        return False
+    try:
+        return requests.head("https://huggingface.co", timeout=3).status_code < 500
+    except requests.RequestException:
+        return False
+
+
+def tokenize(tokenizer, prompts: list[dict], chat_template: bool = True, enable_thinking: bool = False) -> list[list[int]]:
+    if not chat_template:
+        return [tokenizer(p["prompt"])["input_ids"] for p in prompts]
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True,
+                                               enable_thinking=enable_thinking, return_dict=True)["input_ids"])
+            for p in prompts]
+
+
+# ---- one run against one server ------------------------------------------
+@dataclasses.dataclass
+class Request:
+    output_ids: list[int]
+    tokens: int
+    verify_steps: int
+    ttft: float
+    latency: float
+
+    @property
+    def tau(self) -> float | None:
+        return self.tokens / self.verify_steps if self.verify_steps else None
+
+    @property
+    def tpot(self) -> float:
+        return (self.latency - self.ttft) / max(self.tokens - 1, 1)
+
+
+def stream_one(url: str, input_ids: list[int], sampling: dict, timeout: float = 1800) -> Request:
+    t0 = time.perf_counter()
+    ttft, last = None, None
+    with requests.post(url + "/generate", stream=True, timeout=timeout,
+                       json={"input_ids": input_ids, "stream": True, "sampling_params": sampling}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines(decode_unicode=True):
+            if line.startswith("data: ") and line != "data: [DONE]":
+                last = json.loads(line[6:])
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+    if last is None:
+        raise RuntimeError(f"{url}: a streamed request returned nothing")
+    meta = last["meta_info"]
+    return Request(last["output_ids"], int(meta["completion_tokens"]), int(meta.get("spec_verify_ct", 0) or 0),
+                   ttft or 0.0, time.perf_counter() - t0)
+
+
+def read_stats(path: str | None) -> list[int] | None:
+    if not path or not os.path.exists(path):
+        return None
+    return json.loads(Path(path).read_text())["accept_length_histogram"]
+
+
+def run(url: str, inputs: list[list[int]], concurrency: int, sampling: dict, stats_file: str | None = None,
+        desc: str = "") -> dict:
+    """All inputs at the given concurrency -> per-request results and the run's figures."""
+    from tqdm import tqdm
+
+    before = read_stats(stats_file)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        reqs = list(tqdm(pool.map(lambda ids: stream_one(url, ids, sampling), inputs), total=len(inputs), desc=desc,
+                         dynamic_ncols=True, leave=False))
+    wall = time.perf_counter() - t0
+    tokens = sum(r.tokens for r in reqs)
+    verify = sum(r.verify_steps for r in reqs)
+    out = {
+        "concurrency": concurrency, "requests": len(reqs), "wall_s": wall, "output_tokens": tokens,
+        "tok_per_s": tokens / wall, "tau": tokens / verify if verify else None,
+        "mean_ttft_s": sum(r.ttft for r in reqs) / len(reqs), "mean_tpot_s": sum(r.tpot for r in reqs) / len(reqs),
+        "mean_latency_s": sum(r.latency for r in reqs) / len(reqs),
+        "per_request": [{"tokens": r.tokens, "verify_steps": r.verify_steps, "tau": r.tau, "ttft_s": r.ttft,
+                         "tpot_s": r.tpot, "latency_s": r.latency} for r in reqs],
+        "output_ids": [r.output_ids for r in reqs],
+    }
+    after = read_stats(stats_file)
+    if after is not None:
+        hist = [a - b for a, b in zip(after, before or [0] * len(after))]
+        steps = sum(hist)
+        out["accept_length_histogram"] = hist  # index n: verify steps that committed n tokens
+        # row k (1 …) of the block is accepted when a step commits more than k tokens
+        out["accept_rate_by_row"] = [sum(hist[k + 1:]) / steps if steps else None for k in range(1, len(hist) - 1)]
+    return out
+
+
+# ---- side by side ------------------------------------------------------------
+def side_by_side(baseline: dict, dflash: dict) -> dict:
+    same = [a == b for a, b in zip(baseline["output_ids"], dflash["output_ids"], strict=True)]
+    return {"concurrency": dflash["concurrency"], "baseline_tok_per_s": baseline["tok_per_s"],
+            "dflash_tok_per_s": dflash["tok_per_s"], "speedup": dflash["tok_per_s"] / baseline["tok_per_s"],
+            "tau": dflash["tau"], "identical": all(same), "differing_requests": [i for i, s in enumerate(same) if not s]}
+
+
+def markdown(results: dict) -> str:
+    lines = ["| dataset | concurrency | baseline tok/s | DFLASH tok/s | speedup | τ | identical outputs |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for name, rows in results["side_by_side"].items():
+        for r in rows:
+            ident = "yes" if r["identical"] else f"NO ({len(r['differing_requests'])} differ)"
+            tau = f"{r['tau']:.2f}" if r["tau"] else "-"
+            lines.append(f"| {name} | {r['concurrency']} | {r['baseline_tok_per_s']:.1f} | {r['dflash_tok_per_s']:.1f} "
+                         f"| {r['speedup']:.2f}× | {tau} | {ident} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: dict, out: Path) -> list[Path]:
+    """τ histogram, per-row acceptance and speedup against concurrency, as PNG (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, runs in results["dflash"].items():
+        taus = [r["tau"] for run_ in runs for r in run_["per_request"] if r["tau"]]
+        if taus:
+            ax.hist(taus, bins=20, alpha=0.5, label=name)
+    ax.set(xlabel="τ per request", ylabel="requests", title="τ histogram")
+    ax.legend()
+    fig.savefig(out / "tau_histogram.png", dpi=100, bbox_inches="tight")
+    made.append(out / "tau_histogram.png")
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, runs in results["dflash"].items():
+        rates = next((r["accept_rate_by_row"] for r in runs if r.get("accept_rate_by_row")), None)
+        if rates:
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=name)
+    ax.set(xlabel="block row", ylabel="acceptance rate", title="per-row acceptance", ylim=(0, 1))
+    ax.legend()
+    fig.savefig(out / "acceptance_by_row.png", dpi=100, bbox_inches="tight")
+    made.append(out / "acceptance_by_row.png")
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, rows in results["side_by_side"].items():
+        ax.plot([r["concurrency"] for r in rows], [r["speedup"] for r in rows], marker="o", label=name)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set(xlabel="concurrency", ylabel="speedup (DFLASH / baseline tok/s)", xscale="log", title="speedup")
+    ax.legend()
+    fig.savefig(out / "speedup.png", dpi=100, bbox_inches="tight")
+    made.append(out / "speedup.png")
+    plt.close(fig)
+    return made
+
+
+def bench_server(url: str, work: dict[str, list[list[int]]], concurrencies: list[int], sampling: dict,
+                 stats_file: str | None, label: str) -> dict[str, list[dict]]:
+    """Every dataset at every concurrency on one server (after one warm-up request)."""
+    first = next(iter(work.values()))[0]
+    stream_one(url, first, {**sampling, "max_new_tokens": 8})
+    return {name: [run(url, inputs, c, sampling, stats_file, desc=f"{label} {name} c={c}") for c in concurrencies]
+            for name, inputs in work.items()}
+
+
+def bench(args) -> dict:
+    from transformers import AutoTokenizer
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(args.target or args.tokenizer)
+    work = {name: tokenize(tok, load_prompts(name, args.num_prompts, args.dataset_path), not args.no_chat_template,
+                           args.enable_thinking) for name in args.datasets}
+    sampling = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
+    stats_file = str(out / "dflash-stats.json")
+    results = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "date": time.strftime("%Y-%m-%d %H:%M"),
+               "machine": machine()}
+    if args.launch:
+        from sglang_dflash.server import sglang_server
+
+        common = ["--dtype", args.dtype, *args.server_arg]
+        with sglang_server(args.target, *common, log_path=str(out / "baseline-server.log"), timeout=900) as url:
+            results["baseline"] = bench_server(url, work, args.concurrency, sampling, None, "baseline")
+        if os.path.exists(stats_file):
+            os.unlink(stats_file)
+        spec = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", args.draft,
+                "--speculative-num-draft-tokens", str(args.block_size)]
+        with sglang_server(args.target, *common, *spec, env={"SGLANG_DFLASH_STATS_FILE": stats_file},
+                           log_path=str(out / "dflash-server.log"), timeout=900) as url:
+            results["dflash"] = bench_server(url, work, args.concurrency, sampling, stats_file, "DFLASH")
+    else:
+        if not (args.baseline_url and args.dflash_url):
+            raise SystemExit("give --baseline-url and --dflash-url, or --launch with --target and --draft")
+        results["baseline"] = bench_server(args.baseline_url, work, args.concurrency, sampling, None, "baseline")
+        results["dflash"] = bench_server(args.dflash_url, work, args.concurrency, sampling,
+                                         args.dflash_stats_file, "DFLASH")
+    results["side_by_side"] = {name: [side_by_side(b, d) for b, d in zip(results["baseline"][name],
+                                                                          results["dflash"][name])]
+                               for name in work}
+    if args.temperature > 0:  # sampled outputs differ by design; only greedy outputs must match
+        for rows in results["side_by_side"].values():
+            for r in rows:
+                r["identical"], r["differing_requests"] = None, []
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    table = markdown(results)
+    (out / "results.md").write_text(table)
+    try:
+        results["plots"] = [str(p) for p in plots(results, out)]
+    except ImportError:
+        results["plots"] = []
+    return results
+
+
+def machine() -> str:
+    import platform
+
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {gpu}"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--datasets", type=lambda s: s.split(","), default=["gsm8k", "humaneval", "mt-bench"],
+                   help=f"comma-separated, from {', '.join(DATASETS)}")
+    p.add_argument("--dataset-path", default=None, help="a local JSONL (fields prompt or turns) for every dataset")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 4, 16])
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-chat-template", action="store_true")
+    p.add_argument("--enable-thinking", action="store_true")
+    p.add_argument("--baseline-url", default=None)
+    p.add_argument("--dflash-url", default=None)
+    p.add_argument("--dflash-stats-file", default=None, help="the DFLASH server's SGLANG_DFLASH_STATS_FILE, if set")
+    p.add_argument("--launch", action="store_true", help="start the baseline, then the DFLASH server, here")
+    p.add_argument("--target", default=None, help="target model (for --launch, and its tokenizer)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer when --target is not given")
+    p.add_argument("--draft", default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--server-arg", action="append", default=[], help="an extra launch_server argument (repeatable)")
+    p.add_argument("--out", default="bench-results")
