@@ -156,6 +156,22 @@ def test_ignore_eos(smol, smol_base_url, oracle_url):
     assert out["output_ids"] == base["output_ids"] and len(out["output_ids"]) == NEW_TOKENS
 
 
+def test_mixed_greedy_and_sampled_requests_in_one_batch(smol, oracle_url):
+    """Sampled requests (rejection sampling, top_p through the sorting path) share verify batches with
+    greedy ones; the greedy ones stay token for token the baseline's."""
+    greedy = [(ids, {"temperature": 0}) for ids in smol["inputs"][8:16]]
+    sampled = [(ids, {"temperature": 0.8, "top_p": 0.9}) for ids in smol["inputs"][16:24]]
+    jobs = [job for pair in zip(greedy, sampled) for job in pair]  # interleaved, so batches mix
+    with ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(lambda job: generate(oracle_url, job[0], max_new_tokens=64, **job[1]), jobs))
+    for i, ref in enumerate(smol["base"][8:16]):
+        assert outs[2 * i]["output_ids"] == ref["output_ids"][:64], f"greedy request {i} changed"
+    for out in outs[1::2]:
+        meta = out["meta_info"]
+        assert 1 <= len(out["output_ids"]) <= 64 and meta["spec_verify_ct"] >= 1
+        assert all(0 <= t < 49152 for t in out["output_ids"])
+
+
 def test_streaming(smol, oracle_url):
     r = requests.post(oracle_url + "/generate", stream=True, timeout=600, json={
         "input_ids": smol["inputs"][2], "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": 64}})
