@@ -190,38 +190,43 @@ def plots(results: dict, out: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    made = []
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, runs in results["dflash"].items():
-        taus = [r["tau"] for run_ in runs for r in run_["per_request"] if r["tau"]]
-        if taus:
-            ax.hist(taus, bins=20, alpha=0.5, label=name)
-    ax.set(xlabel="τ per request", ylabel="requests", title="τ histogram")
-    ax.legend()
-    fig.savefig(out / "tau_histogram.png", dpi=100, bbox_inches="tight")
-    made.append(out / "tau_histogram.png")
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, runs in results["dflash"].items():
-        rates = next((r["accept_rate_by_row"] for r in runs if r.get("accept_rate_by_row")), None)
-        if rates:
-            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=name)
-    ax.set(xlabel="block row", ylabel="acceptance rate", title="per-row acceptance", ylim=(0, 1))
-    ax.legend()
-    fig.savefig(out / "acceptance_by_row.png", dpi=100, bbox_inches="tight")
-    made.append(out / "acceptance_by_row.png")
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, rows in results["side_by_side"].items():
-        ax.plot([r["concurrency"] for r in rows], [r["speedup"] for r in rows], marker="o", label=name)
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(xlabel="concurrency", ylabel="speedup (DFLASH / baseline tok/s)", xscale="log", title="speedup")
-    ax.legend()
-    fig.savefig(out / "speedup.png", dpi=100, bbox_inches="tight")
-    made.append(out / "speedup.png")
-    plt.close(fig)
-    return made
+    def figure(name: str, draw, **axes) -> Path:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        draw(ax)
+        ax.set(**axes)
+        ax.legend()
+        fig.savefig(out / name, dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        return out / name
+
+    def tau_hist(ax):
+        for name, runs in results["dflash"].items():
+            taus = [r["tau"] for run_ in runs for r in run_["per_request"] if r["tau"]]
+            if taus:
+                ax.hist(taus, bins=20, alpha=0.5, label=name)
+
+    def acceptance(ax):
+        for name, runs in results["dflash"].items():
+            rates = next((r["accept_rate_by_row"] for r in runs if r.get("accept_rate_by_row")), None)
+            if rates:
+                ax.plot(range(1, len(rates) + 1), rates, marker="o", label=name)
+
+    def speedup(ax):
+        for name, rows in results["side_by_side"].items():
+            ax.plot([r["concurrency"] for r in rows], [r["speedup"] for r in rows], marker="o", label=name)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xticks(sorted({r["concurrency"] for rows in results["side_by_side"].values() for r in rows}))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+
+    return [figure("tau_histogram.png", tau_hist, xlabel="τ per request", ylabel="requests", title="τ histogram"),
+            figure("acceptance_by_row.png", acceptance, xlabel="block row", ylabel="acceptance rate",
+                   title="per-row acceptance", ylim=(0, 1)),
+            figure("speedup.png", speedup, xlabel="concurrency", ylabel="speedup (DFLASH / baseline tok/s)",
+                   title="speedup")]
 
 
 def bench_server(url: str, work: dict[str, list[list[int]]], concurrencies: list[int], sampling: dict,

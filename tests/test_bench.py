@@ -1,0 +1,57 @@
+"""The benchmark's bookkeeping without servers: prompt formats, the side-by-side verdict, table, plots.
+(tests/test_worker_server.py runs it against live servers.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_dflash import bench
+
+
+def _run(concurrency, tok_s, outputs, tau=None, hist=None):
+    per = [{"tokens": len(o), "verify_steps": 4, "tau": tau, "ttft_s": 0.1, "tpot_s": 0.01, "latency_s": 1.0}
+           for o in outputs]
+    run = {"concurrency": concurrency, "tok_per_s": tok_s, "tau": tau, "output_ids": outputs, "per_request": per}
+    if hist:
+        run["accept_length_histogram"] = hist
+        steps = sum(hist)
+        run["accept_rate_by_row"] = [sum(hist[k + 1:]) / steps for k in range(1, len(hist) - 1)]
+    return run
+
+
+def test_side_by_side_verdict_table_and_plots(tmp_path):
+    same, other = [[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]
+    base = [_run(1, 10.0, same), _run(4, 30.0, same)]
+    spec = [_run(1, 25.0, same, 2.5, [0, 5, 3, 2]), _run(4, 45.0, other, 2.5, [0, 5, 3, 2])]
+    rows = [bench.side_by_side(b, d) for b, d in zip(base, spec)]
+    assert rows[0]["speedup"] == pytest.approx(2.5) and rows[0]["identical"]
+    assert not rows[1]["identical"] and rows[1]["differing_requests"] == [1]
+    results = {"baseline": {"gsm8k": base}, "dflash": {"gsm8k": spec}, "side_by_side": {"gsm8k": rows}}
+    table = bench.markdown(results)
+    assert "| gsm8k | 1 | 10.0 | 25.0 | 2.50× | 2.50 | yes |" in table and "NO (1 differ)" in table
+    for path in bench.plots(results, tmp_path):
+        assert path.read_bytes()[:4] == b"\x89PNG"
+    assert spec[0]["accept_rate_by_row"] == [0.5, 0.2]  # row k accepted when a step commits more than k tokens
+
+
+def test_prompt_formats_and_local_files(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"id": "a", "prompt": "2+2?"}) + "\n" + json.dumps({"turns": ["hi", "more"]}) + "\n")
+    gsm = bench.load_prompts("gsm8k", 5, str(f))
+    assert gsm[0] == {"id": "a", "prompt": "2+2?\nPlease reason step by step, and put your final answer within \\boxed{}."}
+    assert bench.load_prompts("mt-bench", 5, str(f))[1]["prompt"] == "hi"  # the first turn
+    assert bench.load_prompts("humaneval", 1, str(f))[0]["prompt"].startswith(
+        "Write a solution to the following problem and make sure that it passes the tests:\n```python\n2+2?")
+    with pytest.raises(ValueError, match="unknown dataset"):
+        bench.load_prompts("nope", 1, str(f))
+
+
+def test_shipped_subsets_load_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for name in ("gsm8k", "humaneval", "mt-bench"):
+        rows = bench.load_prompts(name, 24)
+        assert len(rows) == 24 and all(r["prompt"] for r in rows)
+    with pytest.raises(FileNotFoundError, match="math500"):
+        bench.load_prompts("math500", 4)
