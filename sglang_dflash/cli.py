@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # everything after `serve` belongs to launch_server
         return cmd_serve(argv[1:])
+    from sglang_dflash.bench import add_arguments as add_bench_arguments
+    from sglang_dflash.demo import add_demo_arguments
+    from sglang_dflash.train.trainer import FitConfig
+
     parser = argparse.ArgumentParser(prog="sglang-dflash", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("serve", help="launch an SGLang server (any launch_server arguments), CPU-ready")
@@ -143,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
     p.add_argument("--init", choices=["target", "random"], default="target")
     p.add_argument("--device", default="cpu")
-    for name, f in __import__("sglang_dflash.train.trainer", fromlist=["FitConfig"]).FitConfig.__dataclass_fields__.items():
+    for name, f in FitConfig.__dataclass_fields__.items():  # every fit setting is a flag
         kind = type(f.default)
         if kind is bool:
             p.add_argument("--" + name.replace("_", "-"), type=lambda s: s.lower() in ("1", "true", "yes"), default=None)
@@ -160,10 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the full report here")
     p.set_defaults(func=cmd_eval_draft)
     p = sub.add_parser("bench", help="τ and speedup, DFLASH against no speculation, side by side on real servers")
-    __import__("sglang_dflash.bench", fromlist=["add_arguments"]).add_arguments(p)
+    add_bench_arguments(p)
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("demo", help="DFLASH vs no speculation side by side on SGLang servers (SmolLM2 by default)")
-    __import__("sglang_dflash.demo", fromlist=["add_demo_arguments"]).add_demo_arguments(p)
+    add_demo_arguments(p)
     p.set_defaults(func=cmd_demo)
     args = parser.parse_args(argv)
     return args.func(args)
