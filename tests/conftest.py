@@ -10,6 +10,7 @@ import torch
 
 from sglang_dflash.cpu.runtime import cache_dir
 from sglang_dflash.targets import prepare_target
+from sglang_dflash.train.data import chat_ids  # noqa: F401  (the tests tokenize prompts as training does)
 
 DATA = Path(__file__).parent / "data"
 # Block ids for random drafts: SmolLM2 has no unused embedding row, so its drafts use
@@ -46,11 +47,6 @@ def load_target(path: Path, dtype=torch.float32):
     tok = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
     return model, tok
-
-
-def chat_ids(tok, prompt: str) -> list[int]:
-    return list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        return_dict=True)["input_ids"])
 
 
 @pytest.fixture(scope="session", params=["smollm2", "tiny-qwen3"])
