@@ -58,8 +58,10 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.heavy" 2>/dev/null)" != "$HEA
 fi
 
 # 3. This project, editable, re-installed when its metadata changes.
-stamp="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-12)"
+# (setup.py builds the CUDA extension from csrc/ when nvcc and a CUDA-enabled torch are present)
+stamp="$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/csrc/*.cu | sha256sum | cut -c1-12)"
 if [ "$(cat "$VENV/.project" 2>/dev/null)" != "$stamp" ]; then
+  echo "setup: installing sglang-dflash into $VENV (compiling csrc/ takes a few minutes when nvcc is present)"
   "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
   echo "$stamp" > "$VENV/.project"
 fi

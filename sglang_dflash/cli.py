@@ -43,7 +43,13 @@ def cmd_doctor(_args) -> int:
         stub = libcuda_stub_dir(build=False)
         print(f"cpu runtime     SGLANG_USE_CPU_ENGINE set by `sglang-dflash serve`; "
               f"libcuda.so.1 stand-in {'built at ' + str(stub) if stub else 'not built yet (built on first serve)'}")
-    print("csrc extension  not built (no kernels yet: the plain-torch paths are used)")
+    from sglang_dflash.ops import kernels
+
+    if kernels.extension_available():
+        path = "the CUDA kernels run" if gpu else "no GPU here, so the plain-torch twins run"
+        print(f"csrc extension  built (sglang_dflash._C): {path}")
+    else:
+        print(f"csrc extension  not built ({kernels.EXTENSION_ERROR}): the plain-torch twins run")
     plugins = [ep.value for ep in md.entry_points(group="sglang.srt.plugins") if ep.value.startswith("sglang_dflash")]
     print(f"sglang plugin   {plugins[0] if plugins else 'NOT registered (reinstall the package)'}")
     return 0

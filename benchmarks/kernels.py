@@ -1,0 +1,192 @@
+"""The GPU check of csrc/: build the extension, check every kernel against its plain-torch twin,
+time both, and time a Qwen3-8B-shaped 5-layer DFlash draft forward at block 16.
+
+    python benchmarks/kernels.py [--out kernels.md]     # on a machine with an NVIDIA GPU
+
+Needs torch with CUDA and nvcc; not SGLang (it imports only sglang_dflash.ops / models / config,
+from this checkout). Each kernel's achieved bandwidth (bytes it must read and write / time) is
+printed against the copy bandwidth measured here; the draft forward against the time it takes
+to read its weights and the context K/V once at that copy bandwidth (the memory floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sglang_dflash.config import DraftConfig  # noqa: E402
+from sglang_dflash.models.reference import ContextCache, DFlashDraftModel  # noqa: E402
+from sglang_dflash.ops import kernels  # noqa: E402
+
+
+def load_extension():
+    """The installed sglang_dflash._C if it imports, else a JIT build of csrc/dflash_kernels.cu."""
+    if kernels.extension_available():
+        return "installed sglang_dflash._C"
+    from torch.utils.cpp_extension import load
+
+    t0 = time.time()
+    kernels._C = load(name="sglang_dflash_C", sources=[str(ROOT / "csrc" / "dflash_kernels.cu")],
+                      extra_cuda_cflags=["-O3", "--use_fast_math"], extra_cflags=["-O3"], verbose=False)
+    return f"JIT-built from csrc/ in {time.time() - t0:.0f} s (installed one: {kernels.EXTENSION_ERROR})"
+
+
+def cuda_time(fn, iters: int = 200) -> float:
+    """Median seconds per call over iters calls, after a warm-up."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write)."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    t = cuda_time(lambda: y.copy_(x), iters=20)
+    return 2 * x.numel() / t
+
+
+def nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def kernel_rows(bw: float):
+    """(name, shape, exact?, kernel µs, twin µs, kernel GB/s, % of copy bandwidth) per case."""
+    rows, g = [], torch.Generator(device="cuda").manual_seed(0)
+    B, L = 16, 8192
+    for bs in (1, 8, 32, 128):
+        rtt = torch.randperm((bs + 1) * L, device="cuda", generator=g).view(bs + 1, L).to(torch.int32)
+        rpi = torch.arange(1, bs + 1, device="cuda")
+        seq = torch.randint(0, L - B, (bs,), device="cuda", generator=g)
+        bonus = torch.randint(0, 151936, (bs,), device="cuda", generator=g)
+        args = (bonus, seq, rpi, rtt, 151669, B)
+        out = kernels.build_block(*args)
+        twin = kernels.build_block_torch(*args)
+        rows.append(("build_block", f"bs={bs}", all(torch.equal(a, b) for a, b in zip(out, twin)),
+                     cuda_time(lambda: kernels.build_block(*args)), cuda_time(lambda: kernels.build_block_torch(*args)),
+                     nbytes(*out) + 4 * bs * B + 3 * 8 * bs))
+
+        F = 5 * 4096  # Qwen3-8B: five target layers of width 4096, bf16
+        hidden = torch.randn(bs, B, F, device="cuda", dtype=torch.bfloat16, generator=g)
+        commit = torch.randint(1, B + 1, (bs,), device="cuda", generator=g)
+        pos = seq[:, None] + torch.arange(B, device="cuda")
+        slots = rtt[rpi[:, None], pos].long()
+        gargs = (hidden, commit, pos, slots)
+        out = kernels.gather_context_features(*gargs)
+        twin = kernels.gather_context_features_torch(*gargs)
+        rows.append(("gather_context_features", f"bs={bs} F={F} bf16", all(torch.equal(a, b) for a, b in zip(out, twin)),
+                     cuda_time(lambda: kernels.gather_context_features(*gargs)),
+                     cuda_time(lambda: kernels.gather_context_features_torch(*gargs)), 2 * nbytes(hidden)))
+
+        target = torch.randint(0, 4, (bs, B), device="cuda", generator=g)
+        draft = torch.where(torch.rand(bs, B - 1, device="cuda", generator=g) < 0.9, target[:, :-1], -1)
+        aargs = (draft, target, seq)
+        out = kernels.accept_greedy(*aargs)
+        twin = kernels.accept_greedy_torch(*aargs)
+        rows.append(("accept_greedy", f"bs={bs}", all(torch.equal(a, b) for a, b in zip(out, twin)),
+                     cuda_time(lambda: kernels.accept_greedy(*aargs)),
+                     cuda_time(lambda: kernels.accept_greedy_torch(*aargs)), nbytes(draft, target, seq, *out)))
+    for N, T in ((32, 512), (64, 2048)):
+        anchors = torch.randint(0, T, (N,), device="cuda", generator=g).sort().values
+        out = kernels.block_attention_mask(anchors, T, B)
+        twin = kernels.block_attention_mask_torch(anchors, T, B)
+        rows.append(("block_attention_mask", f"N={N} T={T}", torch.equal(out, twin),
+                     cuda_time(lambda: kernels.block_attention_mask(anchors, T, B)),
+                     cuda_time(lambda: kernels.block_attention_mask_torch(anchors, T, B)), nbytes(out)))
+    return [(n, s, ok, tk * 1e6, tt * 1e6, b / tk / 1e9, 100 * b / tk / bw) for n, s, ok, tk, tt, b in rows]
+
+
+def qwen3_8b_draft_config() -> DraftConfig:
+    return DraftConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=5, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, block_size=16, num_target_layers=36,
+                       target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=151669)
+
+
+def draft_rows(bw: float, context: int = 1024):
+    """(batch, eager ms, graph ms, floor ms, graph / floor) for the 5-layer draft + its 15-row lm_head."""
+    cfg = qwen3_8b_draft_config()
+    with torch.device("cuda"):
+        model = DFlashDraftModel(cfg).to(torch.bfloat16).eval()
+        head = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in list(model.parameters()) + [head]:
+            p.normal_(0, 0.02)
+    weight_bytes = nbytes(*model.layers.parameters(), head)
+    rows = []
+    for bs in (1, 8, 32):
+        kv = lambda: torch.randn(bs, cfg.num_key_value_heads, context, cfg.head_dim,  # noqa: E731
+                                 device="cuda", dtype=torch.bfloat16)
+        cache = ContextCache([kv() for _ in model.layers], [kv() for _ in model.layers])
+        embeds = torch.randn(bs, cfg.block_size, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        positions = context + torch.arange(cfg.block_size, device="cuda")[None].expand(bs, -1)
+
+        @torch.no_grad()
+        def step():
+            hidden = model(embeds, positions, cache)
+            return (hidden[:, 1:] @ head.T).argmax(-1)  # [bs, B-1] draft tokens
+
+        eager = cuda_time(step, iters=50)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graphed = cuda_time(graph.replay, iters=50)
+        floor = (weight_bytes + sum(nbytes(k, v) for k, v in zip(cache.keys, cache.values))) / bw
+        rows.append((bs, eager * 1e3, graphed * 1e3, floor * 1e3, graphed / floor))
+    return rows, weight_bytes
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="also write the markdown tables here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__} (CUDA {torch.version.cuda})",
+             f"extension: {load_extension()}"]
+    bw = copy_bandwidth()
+    lines.append(f"copy bandwidth: {bw / 1e9:.0f} GB/s (1 GiB device-to-device, read + write)\n")
+    lines += ["| kernel | shape | equals twin | kernel µs | twin µs | kernel GB/s | % of copy bw |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    ok = True
+    for name, shape, exact, tk, tt, gbs, pct in kernel_rows(bw):
+        ok &= exact
+        lines.append(f"| {name} | {shape} | {'yes' if exact else 'NO'} | {tk:.1f} | {tt:.1f} | {gbs:.1f} | {pct:.1f} |")
+    rows, wbytes = draft_rows(bw)
+    lines += ["", f"Qwen3-8B-shaped draft (5 layers, hidden 4096, block 16, random bf16 weights, context 1024 per "
+                  f"request), draft layers + 15-row lm_head: {wbytes / 1e9:.2f} GB of weights",
+              "", "| batch | eager ms | CUDA graph ms | memory floor ms | graph / floor |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {bs} | {e:.3f} | {g:.3f} | {f:.3f} | {r:.2f} |" for bs, e, g, f, r in rows]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    if not ok:
+        print("a kernel differs from its twin", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
