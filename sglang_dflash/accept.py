@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import torch
 
+from sglang_dflash.ops import kernels
+
 
 def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor):
     """Longest prefix where d_i equals the target's argmax at i-1, plus the target's next token.
 
-    draft_tokens [b, B-1] int; target_logits [b, B, V].
+    draft_tokens [b, B-1] int; target_logits [b, B, V]. (ops.kernels.accept_greedy: one CUDA launch.)
     """
-    target_tokens = target_logits.argmax(-1)  # [b, B]
-    match = draft_tokens == target_tokens[:, :-1]  # [b, B-1]
-    accept_len = match.int().cumprod(-1).sum(-1)  # [b]
-    next_token = target_tokens.gather(1, accept_len[:, None]).squeeze(1)
+    accept_len, next_token, _ = kernels.accept_greedy(draft_tokens, target_logits.argmax(-1))
     return accept_len, next_token
 
 

@@ -23,6 +23,7 @@ from sglang_dflash.accept import accept_greedy, accept_sampled, filtered_probs
 from sglang_dflash.config import load_checked
 from sglang_dflash.models.paged import PagedDraft
 from sglang_dflash.models.reference import DFlashDraftModel
+from sglang_dflash.ops import kernels
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +70,14 @@ class DFlashWorker(_base()):
         self.vocab_size = self.model_runner.model_config.vocab_size
         self.lm_head_weight = target.lm_head.weight[: self.vocab_size]
         self.layer_ids = self.config.target_layer_ids
+        self.page_size = server_args.page_size or 1
         # SGLANG_DFLASH_STATS_FILE: keep a histogram of tokens committed per verify step there (for benchmarks)
         self.stats_file = os.environ.get("SGLANG_DFLASH_STATS_FILE")
         self.accept_hist = torch.zeros(self.block_size + 1, dtype=torch.long)
-        logger.info("sglang-dflash %s DFLASH worker: draft %s (%d layers, block %d, target layers %s), %s %s",
-                    __version__, server_args.speculative_draft_model_path, len(self.draft_model.layers), self.block_size,
-                    self.layer_ids, self.device, self.dtype)
+        step_ops = "CUDA kernels" if kernels.extension_available() and self.device != "cpu" else "torch twins"
+        logger.info("sglang-dflash %s DFLASH worker: draft %s (%d layers, block %d, target layers %s), %s %s, "
+                    "step ops: %s", __version__, server_args.speculative_draft_model_path, len(self.draft_model.layers),
+                    self.block_size, self.layer_ids, self.device, self.dtype, step_ops)
 
     # ---- what the scheduler calls at start-up ---------------------------
     def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
@@ -148,8 +151,8 @@ class DFlashWorker(_base()):
         if self.stats_file:
             self.record_stats(commit_lens)
 
-        out_tokens = torch.empty_like(block_ids)  # [bs, B]: row i emits out_tokens[i, :commit_lens[i]]
-        out_tokens[:, : B - 1] = draft_tokens
+        # [bs, B]: row i emits out_tokens[i, :commit_lens[i]] (its accepted drafts, then next_token)
+        out_tokens = torch.cat([draft_tokens, next_token[:, None]], dim=1)
         out_tokens.scatter_(1, accept_len[:, None], next_token[:, None])
         new_seq_lens = prefix_lens + commit_lens
         logits_output.hidden_states = None
@@ -169,13 +172,8 @@ class DFlashWorker(_base()):
     def build_block(self, bonus_tokens, prefix_lens, req_pool_indices, req_to_token):
         """[bonus, MASK, …] per request, positions prefix … prefix + B - 1, and their KV slots (reserved
         by the scheduler's prepare_for_decode) -> three [bs, B] tensors."""
-        B = self.block_size
-        bs = bonus_tokens.shape[0]
-        block_ids = torch.full((bs, B), self.config.mask_token_id, dtype=torch.long, device=self.device)
-        block_ids[:, 0] = bonus_tokens
-        positions = prefix_lens[:, None] + torch.arange(B, device=self.device)[None]
-        slots = req_to_token[req_pool_indices[:, None].long(), positions].long()
-        return block_ids, positions, slots
+        return kernels.build_block(bonus_tokens, prefix_lens, req_pool_indices, req_to_token,
+                                   self.config.mask_token_id, self.block_size, self.page_size)
 
     def draft_forward(self, block_ids, positions, req_to_token, req_pool_indices, prefix_lens, sampling_info):
         """One non-causal draft forward -> draft tokens [bs, B-1] and, when sampling, their distributions q."""
@@ -219,6 +217,6 @@ class DFlashWorker(_base()):
 
     def commit(self, features, positions, slots, commit_lens):
         """Write the draft context K/V of the committed block rows (bonus + accepted drafts)."""
-        B = self.block_size
-        keep = torch.arange(B, device=self.device)[None] < commit_lens[:, None]  # [bs, B]
-        self.draft.write_context(features[keep], positions[keep], slots[keep])
+        rows, row_positions, row_slots, total = kernels.gather_context_features(features, commit_lens, positions, slots)
+        n = int(total)  # one host sync; the scheduler reads the accept lengths on the host every step anyway
+        self.draft.write_context(rows[:n], row_positions[:n], row_slots[:n])

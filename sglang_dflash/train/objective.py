@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from sglang_dflash.ops.kernels import block_attention_mask  # noqa: F401  (the mask lives beside its CUDA kernel)
+
 IGNORE = -100
 
 
@@ -33,18 +35,6 @@ def sample_anchors(prompt_len: int, seq_len: int, num_blocks: int, generator: to
         return torch.empty(0, dtype=torch.long)
     n = min(num_blocks, hi - lo + 1)
     return (torch.randperm(hi - lo + 1, generator=generator)[:n] + lo).sort().values
-
-
-def block_attention_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """anchors [N] -> mask [N*B, T + N*B] bool, True where a query row may attend.
-
-    Block j sees context rows t < a_j and its own B rows; never another block.
-    """
-    N, B = anchors.numel(), block_size
-    block_of_row = torch.arange(N * B, device=anchors.device) // B  # [Q]
-    ctx = torch.arange(seq_len, device=anchors.device)[None, :] < anchors[block_of_row][:, None]  # [Q, T]
-    own = block_of_row[:, None] == block_of_row[None, :]  # [Q, Q]
-    return torch.cat([ctx, own], dim=1)
 
 
 def block_inputs(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):

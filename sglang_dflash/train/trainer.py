@@ -86,7 +86,7 @@ def draft_hidden(draft: DFlashDraftModel, frozen: Frozen, seq: Sequence, anchors
     ids, positions, labels = block_inputs(seq.tokens, anchors, B, draft.config.mask_token_id)
     embeds = frozen.embed[ids.view(-1)].to(device, dtype)[None]  # [1, Q, H]
     context = draft.context_kv(seq.context.to(device, dtype)[None], torch.arange(T, device=device)[None])
-    mask = block_attention_mask(anchors, T, B).to(device)[None, None]  # [1, 1, Q, T + Q]
+    mask = block_attention_mask(anchors.to(device), T, B)[None, None]  # [1, 1, Q, T + Q]
     hidden = draft(embeds, positions.view(1, -1).to(device), context, mask)
     return hidden.view(*ids.shape, -1), positions, labels
 
