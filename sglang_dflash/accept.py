@@ -34,32 +34,107 @@ def rejection_tables(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, targ
        accepted and d_{i+1} rejected, normalize(max(0, p_{i+1} - q_{i+1})), and, for i = B-1
        (every draft accepted), p_B.
     """
+    q_full = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)  # [b, B, V]; q_B = 0
+    return accept_probs(draft_tokens, draft_probs, target_probs), stop_distribution(target_probs, q_full)
+
+
+def accept_probs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """[b, B-1]: min(1, p_i(d_i) / q_i(d_i)), the probability of accepting each draft token."""
     idx = draft_tokens[..., None]
     p_d = target_probs[:, :-1].gather(-1, idx).squeeze(-1)  # [b, B-1]
     q_d = draft_probs.gather(-1, idx).squeeze(-1)
-    accept_prob = torch.where(q_d > 0, (p_d / q_d.clamp_min(torch.finfo(q_d.dtype).tiny)).clamp(max=1), 0)
-    q_full = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)  # [b, B, V]; q_B = 0
-    residual = (target_probs - q_full).clamp_min(0)
-    # A residual that sums to zero means p == q there, where rejection has probability 0; use p.
+    return torch.where(q_d > 0, (p_d / q_d.clamp_min(torch.finfo(q_d.dtype).tiny)).clamp(max=1), 0)
+
+
+def stop_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalize(max(0, p - q)) over the last dimension; p where that is empty (p == q, where a
+    rejection has probability 0)."""
+    residual = (p - q).clamp_min(0)
     empty = residual.sum(-1, keepdim=True) <= 0
-    residual = torch.where(empty, target_probs, residual)
-    return accept_prob, residual / residual.sum(-1, keepdim=True)
+    residual = torch.where(empty, p, residual)
+    return residual / residual.sum(-1, keepdim=True)
 
 
 def accept_sampled(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                   generator: torch.Generator | None = None):
+                   generator: torch.Generator | None = None, seeds: torch.Tensor | None = None,
+                   positions: torch.Tensor | None = None):
     """Speculative rejection sampling: the committed tokens are distributed exactly as the target's.
 
     Shapes as in rejection_tables. Accept d_1, d_2, … while u_i < min(1, p_i(d_i) / q_i(d_i)); at
     the first rejection (or after the last draft) draw the next token from that position's stop_dist.
+    The uniforms come from generator (or torch's global one), or, for seeded requests, from
+    seeded_uniform(seeds [b], positions [b, B] of the block): the same seed gives the same tokens
+    whatever batch the request is in.
     """
     b, n = draft_tokens.shape
-    accept_prob, stop_dist = rejection_tables(draft_tokens, draft_probs, target_probs)
-    u = torch.rand(b, n, generator=generator, device=draft_tokens.device, dtype=accept_prob.dtype)
+    accept_prob = accept_probs(draft_tokens, draft_probs, target_probs)
+    if seeds is None:
+        u = torch.rand(b, n, generator=generator, device=draft_tokens.device, dtype=accept_prob.dtype)
+    else:
+        u = seeded_uniform(seeds, positions[:, 1:], SALT_ACCEPT)  # keyed by the position d_i would take
     accept_len = (u < accept_prob).int().cumprod(-1).sum(-1)  # [b]
-    pick = accept_len[:, None, None].expand(-1, 1, stop_dist.shape[-1])
-    next_token = torch.multinomial(stop_dist.gather(1, pick).squeeze(1), 1, generator=generator).squeeze(1)
+    # rejection_tables' stop_dist, for the one row each request stops at (not all B: V is large)
+    V = target_probs.shape[-1]
+    row = accept_len.long()[:, None, None].expand(-1, 1, V)
+    p_stop = target_probs.gather(1, row).squeeze(1)  # [b, V]
+    q_stop = draft_probs.gather(1, row.clamp(max=n - 1)).squeeze(1) * (accept_len < n)[:, None]  # q_B = 0
+    stop = stop_distribution(p_stop, q_stop)
+    if seeds is None:
+        next_token = torch.multinomial(stop, 1, generator=generator).squeeze(1)
+    else:  # keyed by the position the drawn token takes
+        next_token = sample_inverse_cdf(stop, seeded_uniform(seeds, positions.gather(1, accept_len[:, None].long()) + 1,
+                                                              SALT_STOP).squeeze(1))
     return accept_len, next_token
+
+
+SORT_HEAD = 1024
+
+
+def _sorted_head(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor):
+    """probs [N, V] in descending order with their ids, cut to the SORT_HEAD largest when that drops
+    nothing top-k / top-p would keep: in every row top_k <= SORT_HEAD, or the head's mass exceeds
+    top_p (so the nucleus ends inside it). A top-k of 1024 costs far less than sorting 8,000 × 49k."""
+    V = probs.shape[-1]
+    if SORT_HEAD < V:
+        vals, idx = probs.topk(SORT_HEAD, dim=-1)
+        if bool(((top_ks.view(-1) <= SORT_HEAD) | (vals.sum(-1) > top_ps.view(-1))).all()):
+            return vals, idx
+    return probs.sort(dim=-1, descending=True)
+
+
+# ---- seeded requests --------------------------------------------------------------------------
+# A uniform per (request seed, token position, purpose). Within one step every decision reads a
+# different (position, purpose); across steps a position's uniforms are read again only for
+# positions past the last one decided, which no earlier decision looked at. So the draws are
+# independent of the history, as rejection sampling needs, and reproducible.
+SALT_DRAFT, SALT_ACCEPT, SALT_STOP = 0x5EED01, 0x5EED02, 0x5EED03
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding values in [0, 2^32)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Tensor:
+    """seeds [b] (int), positions [b, n] -> [b, n] float64 uniforms in (0, 1), a hash of (seed, position, salt)."""
+    s = seeds.long().view(-1, 1)
+    h = _fmix32(((positions.long() & _M32) * 0x9E3779B1 + salt) & _M32)
+    h = _fmix32(h ^ (s & _M32))
+    h = _fmix32(h ^ ((s >> 32) & _M32) ^ 0x68E31DA4)
+    return (h.double() + 0.5) / 2.0 ** 32
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [..., V] (rows need not sum to 1), u [...] in (0, 1) -> [...] the token where the
+    cumulative mass first reaches u × the row's total (never a zero-probability token)."""
+    cdf = probs.double().cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[..., -1]).unsqueeze(-1)).squeeze(-1)
+    return idx.clamp(max=probs.shape[-1] - 1)
 
 
 def filtered_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
@@ -80,9 +155,9 @@ def filtered_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: tor
     if not (need_k or need_p or need_min):
         return probs
     if need_p:
-        probs_sort, probs_idx = probs.sort(dim=-1, descending=True)
+        probs_sort, probs_idx = _sorted_head(probs, top_ks, top_ps)
         cum_before = probs_sort.cumsum(-1) - probs_sort
-        ranks = torch.arange(V, device=probs.device)[None]
+        ranks = torch.arange(probs_sort.shape[-1], device=probs.device)[None]
         drop = (ranks >= top_ks.view(-1, 1)) | (cum_before > top_ps.view(-1, 1))
         if need_min:
             drop |= probs_sort < (probs_sort[:, :1] * min_ps.view(-1, 1))

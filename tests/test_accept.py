@@ -135,3 +135,73 @@ def test_rejection_sampling_is_exact_by_enumeration(B, seed):
             want *= float(p_of(seq[:j])[seq[j]])
         assert abs(got.get(seq, 0.0) - want) < 1e-12, (seq, got.get(seq, 0.0), want)
     assert abs(sum(got.values()) - 1) < 1e-12
+
+
+# ---- seeded requests ----------------------------------------------------------------------------
+def seeded_step(p, q, seeds, start):
+    """One block for each seed: drafts drawn from q with the seeded uniforms, then accept_sampled."""
+    from sglang_dflash.accept import SALT_DRAFT, sample_inverse_cdf, seeded_uniform
+
+    n = seeds.numel()
+    B = p.shape[0]
+    positions = start.view(-1, 1) + torch.arange(B)[None]  # [n, B]
+    qn, pn = q.expand(n, -1, -1), p.expand(n, -1, -1)
+    drafts = sample_inverse_cdf(qn, seeded_uniform(seeds, positions[:, 1:], SALT_DRAFT))
+    acc, nxt = accept_sampled(drafts, qn, pn, seeds=seeds, positions=positions)
+    return drafts, acc, nxt
+
+
+def test_seeded_uniform_is_uniform_and_keyed_by_seed_position_and_salt():
+    from sglang_dflash.accept import seeded_uniform
+    from stats import P_FAIL, goodness_of_fit
+
+    seeds = torch.arange(1000).repeat_interleave(100)
+    positions = torch.arange(100).repeat(1000).view(-1, 1)
+    u = seeded_uniform(seeds, positions, 1).flatten()
+    assert 0 < u.min() and u.max() < 1 and u.unique().numel() > 99_000
+    bins = (u * 50).long().tolist()
+    assert goodness_of_fit(bins, {b: 1 / 50 for b in range(50)}) > P_FAIL
+    assert torch.equal(u, seeded_uniform(seeds, positions, 1).flatten())
+    assert not torch.equal(u, seeded_uniform(seeds, positions, 2).flatten())
+    assert not torch.equal(u, seeded_uniform(seeds + (1 << 40), positions, 1).flatten())  # the seed's high bits count
+
+
+def test_seeded_requests_are_reproducible_in_any_batch_and_follow_the_target():
+    """The same (seed, position) gives the same tokens whatever its row in the batch; over 20k seeds
+    the first committed token is distributed as p_1 (seeded draws are still exact)."""
+    from stats import P_FAIL, goodness_of_fit
+
+    g = torch.Generator().manual_seed(3)
+    V, B, N = 6, 4, 20_000
+    p = torch.softmax(torch.randn(B, V, generator=g, dtype=torch.float64) * 2, -1)
+    q = torch.softmax(torch.randn(B - 1, V, generator=g, dtype=torch.float64) * 2, -1)
+    seeds = torch.randint(0, 1 << 62, (N,), generator=g)
+    start = torch.randint(0, 1000, (N,), generator=g)
+    drafts, acc, nxt = seeded_step(p, q, seeds, start)
+    perm = torch.randperm(N, generator=g)
+    d2, a2, n2 = seeded_step(p, q, seeds[perm], start[perm])
+    assert torch.equal(d2, drafts[perm]) and torch.equal(a2, acc[perm]) and torch.equal(n2, nxt[perm])
+    first = torch.where(acc >= 1, drafts[:, 0], nxt).tolist()
+    assert goodness_of_fit(first, {t: float(p[0, t]) for t in range(V)}) > P_FAIL
+    assert set(acc.unique().tolist()) == set(range(B))
+
+
+def test_top_p_on_the_sorted_head_equals_the_full_sort(monkeypatch):
+    """filtered_probs sorts only the 1024 most likely tokens when that provably keeps the same set;
+    on peaked rows (head path) and flat rows (full sort) it equals the full-sort result."""
+    import sglang_dflash.accept as accept
+
+    g = torch.Generator().manual_seed(5)
+    V, N = 5000, 24
+    logits = torch.randn(N, V, generator=g) * torch.tensor([8.0] * 12 + [0.3] * 12)[:, None]  # peaked, flat
+    T = torch.ones(N)
+    for top_ks, top_ps in ((torch.full((N,), V), torch.full((N,), 0.9)),
+                           (torch.randint(1, 2000, (N,), generator=g), torch.rand(N, generator=g)),
+                           (torch.full((N,), 20), torch.full((N,), 0.95))):
+        for rows in (slice(0, 12), slice(0, N)):  # the head path alone, and a batch that needs the full sort
+            got = accept.filtered_probs(logits[rows], T[rows], top_ks[rows], top_ps[rows], torch.full((N,), 0.01)[rows])
+            monkeypatch.setattr(accept, "SORT_HEAD", V)
+            want = accept.filtered_probs(logits[rows], T[rows], top_ks[rows], top_ps[rows], torch.full((N,), 0.01)[rows])
+            monkeypatch.undo()
+            assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
+            assert torch.equal(got > 0, want > 0)

@@ -1,0 +1,28 @@
+"""The statistical tier's own tests can fail: same-distribution samples pass, a wrong one does not."""
+
+import torch
+
+from stats import P_FAIL, chi2_sf, goodness_of_fit, two_sample
+
+
+def draws(probs, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(x) for x in torch.multinomial(torch.tensor(probs), n * 2, replacement=True, generator=g)
+            .view(n, 2).tolist()]
+
+
+def test_chi2_sf_known_values():
+    assert abs(chi2_sf(3.841458820694124, 1) - 0.05) < 1e-9
+    assert abs(chi2_sf(18.307038053275146, 10) - 0.05) < 1e-9
+
+
+def test_same_distribution_passes_and_a_shifted_one_fails():
+    p = [0.4, 0.3, 0.2, 0.05, 0.05]
+    q = [0.3, 0.4, 0.2, 0.05, 0.05]
+    exact = {(a, b): p[a] * p[b] for a in range(5) for b in range(5)}
+    for seed in range(5):
+        a, b = draws(p, 2000, seed), draws(p, 2000, seed + 100)
+        assert goodness_of_fit(a, exact) > P_FAIL and two_sample(a, b) > P_FAIL
+    wrong = draws(q, 2000, 7)
+    assert goodness_of_fit(wrong, exact) < P_FAIL
+    assert two_sample(wrong, draws(p, 2000, 8)) < P_FAIL
