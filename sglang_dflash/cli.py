@@ -94,7 +94,7 @@ def cmd_eval_draft(args) -> int:
     report = {}
     for path in args.prompts:
         prompts = read_prompts(path, args.num_prompts)
-        report[path] = eval_draft(target, tok, draft, prompts, args.max_new_tokens)
+        report[path] = eval_draft(target, tok, draft, prompts, args.max_new_tokens, temperature=args.temperature)
         r = report[path]
         print(f"{path}: τ {r['tau']:.3f} over {r['verify_steps']} verify steps, {r['prompts']} prompts; "
               f"acceptance by row {r['accept_rate_by_row']}")
@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy acceptance; > 0: rejection sampling (seeded, reproducible)")
     p.add_argument("--json", default=None, help="write the full report here")
     p.set_defaults(func=cmd_eval_draft)
     p = sub.add_parser("bench", help="τ and speedup, DFLASH against no speculation, side by side on real servers")

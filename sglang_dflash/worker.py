@@ -19,7 +19,8 @@ import os
 import torch
 
 from sglang_dflash import __version__
-from sglang_dflash.accept import accept_greedy, accept_sampled, filtered_probs
+from sglang_dflash.accept import (SALT_DRAFT, accept_greedy, accept_sampled, filtered_probs, sample_inverse_cdf,
+                                   seeded_uniform)
 from sglang_dflash.config import load_checked
 from sglang_dflash.models.paged import PagedDraft
 from sglang_dflash.models.reference import DFlashDraftModel
@@ -145,7 +146,7 @@ class DFlashWorker(_base()):
                                              prefix_lens, batch.sampling_info if sampled else None)
         block_ids[:, 1:] = draft_tokens
         logits_output, logits, features = self.verify(batch, block_ids, positions, slots)
-        accept_len, next_token = self.accept(draft_tokens, q, logits, batch.sampling_info if sampled else None)
+        accept_len, next_token = self.accept(draft_tokens, q, logits, positions, batch.sampling_info if sampled else None)
         commit_lens = accept_len + 1  # the old bonus + accepted drafts enter the KV; next_token is the new bonus
         self.commit(features, positions, slots, commit_lens)
         if self.stats_file:
@@ -155,6 +156,10 @@ class DFlashWorker(_base()):
         out_tokens = torch.cat([draft_tokens, next_token[:, None]], dim=1)
         out_tokens.scatter_(1, accept_len[:, None], next_token[:, None])
         new_seq_lens = prefix_lens + commit_lens
+        if batch.return_logprob:  # [bs, B] logprobs of out_tokens (+ top-k / token-id lists), as the scheduler reads them
+            from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+
+            compute_spec_logprobs(batch, logits_output, out_tokens.reshape(-1), chain_stride=B)
         logits_output.hidden_states = None
         return GenerationBatchResult(
             logits_output=logits_output, next_token_ids=out_tokens.reshape(-1), accept_lens=commit_lens.to(torch.int32),
@@ -185,7 +190,11 @@ class DFlashWorker(_base()):
         greedy = (sampling_info.top_ks == 1).view(-1, 1, 1)
         q = torch.softmax(logits / sampling_info.temperatures.float().view(-1, 1, 1), dim=-1)
         q = torch.where(greedy, torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float(), q)
-        tokens = torch.multinomial(q.view(-1, q.shape[-1]), 1).view(q.shape[:2])
+        seeds = sampling_info.sampling_seed  # set by SGLang under --enable-deterministic-inference
+        if seeds is None:
+            tokens = torch.multinomial(q.view(-1, q.shape[-1]), 1).view(q.shape[:2])
+        else:
+            tokens = sample_inverse_cdf(q, seeded_uniform(seeds, positions[:, 1:], SALT_DRAFT))
         return tokens, q
 
     def verify(self, batch, block_ids, positions, slots):
@@ -204,7 +213,7 @@ class DFlashWorker(_base()):
         out = result.logits_output
         return out, out.next_token_logits.view(bs, B, -1), out.hidden_states.view(bs, B, -1)
 
-    def accept(self, draft_tokens, q, logits, sampling_info):
+    def accept(self, draft_tokens, q, logits, positions, sampling_info):
         """Greedy: longest matching prefix + the target's token. Sampling: rejection sampling with q."""
         if sampling_info is None:
             return accept_greedy(draft_tokens, logits)
@@ -213,7 +222,7 @@ class DFlashWorker(_base()):
         min_ps = rep(sampling_info.min_ps) if sampling_info.need_min_p_sampling else None
         p = filtered_probs(logits.reshape(bs * B, V), rep(sampling_info.temperatures), rep(sampling_info.top_ks),
                            rep(sampling_info.top_ps), min_ps).view(bs, B, V)
-        return accept_sampled(draft_tokens, q, p)
+        return accept_sampled(draft_tokens, q, p, seeds=sampling_info.sampling_seed, positions=positions)
 
     def commit(self, features, positions, slots, commit_lens):
         """Write the draft context K/V of the committed block rows (bonus + accepted drafts)."""

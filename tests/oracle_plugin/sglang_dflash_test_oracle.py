@@ -3,7 +3,9 @@
 Loaded into a test server by putting this folder on PYTHONPATH (its dist-info declares the
 entry point) and SGLANG_DFLASH_ORACLE=file.json, a list of full greedy sequences (prompt ids +
 reference output ids). For each request, the draft's proposal at position t is sequence[t]:
-every verify step should then accept the whole block.
+every greedy verify step should then accept the whole block. For a sampled request the
+proposal is a point mass on that token (q is set to match), which rejection sampling accepts
+with probability p(token): the output distribution stays the target's.
 """
 
 import json
@@ -25,6 +27,9 @@ def _oracle_draft(original, self, block_ids, positions, req_to_token, req_pool_i
         for j, p in enumerate(positions[i, 1:].tolist()):
             if p < len(full):
                 tokens[i, j] = full[p]
+                if q is not None:  # a sampled request: the proposal is a point mass, and q must say so
+                    q[i, j] = 0
+                    q[i, j, full[p]] = 1
     return tokens, q
 
 
