@@ -189,7 +189,8 @@ class DFlashWorker(_base()):
             return logits.argmax(-1), None
         greedy = (sampling_info.top_ks == 1).view(-1, 1, 1)
         q = torch.softmax(logits / sampling_info.temperatures.float().view(-1, 1, 1), dim=-1)
-        q = torch.where(greedy, torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float(), q)
+        if bool(greedy.any()):  # greedy rows of a mixed batch propose their argmax (q a point mass)
+            q = torch.where(greedy, torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float(), q)
         seeds = sampling_info.sampling_seed  # set by SGLang under --enable-deterministic-inference
         if seeds is None:
             tokens = torch.multinomial(q.view(-1, q.shape[-1]), 1).view(q.shape[:2])
