@@ -90,8 +90,7 @@ def oracle_server(smol, smol_base_url, tmp_path_factory):
     env = {"PYTHONPATH": str(ORACLE_PLUGIN), "SGLANG_DFLASH_ORACLE": str(file),
            "SGLANG_DFLASH_STATS_FILE": str(folder / "stats.json"),  # read by the benchmark test
            "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}  # a KV leak, seen when idle, stops the server
-    # SGLang caps a speculative server at 48 running requests by default; the statistical tests send 2,000 at once
-    with sglang_server(smol["path"], *dflash_args(smol["draft"], "--max-running-requests", "512"), env=env) as url:
+    with sglang_server(smol["path"], *dflash_args(smol["draft"]), env=env) as url:
         yield {"url": url, "stats": folder / "stats.json"}
 
 
