@@ -58,31 +58,55 @@ def stop_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def accept_sampled(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
                    generator: torch.Generator | None = None, seeds: torch.Tensor | None = None,
                    positions: torch.Tensor | None = None):
+    """Speculative rejection sampling with every target distribution given, p [b, B, V]."""
+    return accept_sampled_rows(draft_tokens, draft_probs, lambda j, rows: target_probs[rows, j], generator, seeds,
+                               positions)
+
+
+def accept_sampled_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, p_row,
+                        generator: torch.Generator | None = None, seeds: torch.Tensor | None = None,
+                        positions: torch.Tensor | None = None):
     """Speculative rejection sampling: the committed tokens are distributed exactly as the target's.
 
-    Shapes as in rejection_tables. Accept d_1, d_2, … while u_i < min(1, p_i(d_i) / q_i(d_i)); at
-    the first rejection (or after the last draft) draw the next token from that position's stop_dist.
+    draft_tokens [b, B-1] sampled from draft_probs q [b, B-1, V]; p_row(j, rows) -> [len(rows), V]
+    is the target's distribution (after temperature / top-k / top-p / min-p) at block row j for the
+    requests rows. Accept d_1, d_2, … while u_i < min(1, p_i(d_i) / q_i(d_i)); at the first rejection
+    (or after the last draft) draw the next token from that row's stop distribution (rejection_tables).
+    Row j's p is formed only for the requests that accepted every draft before it: with V in the tens
+    of thousands that is most of the work, and most blocks stop early.
     The uniforms come from generator (or torch's global one), or, for seeded requests, from
     seeded_uniform(seeds [b], positions [b, B] of the block): the same seed gives the same tokens
     whatever batch the request is in.
     """
     b, n = draft_tokens.shape
-    accept_prob = accept_probs(draft_tokens, draft_probs, target_probs)
+    V, device = draft_probs.shape[-1], draft_tokens.device
     if seeds is None:
-        u = torch.rand(b, n, generator=generator, device=draft_tokens.device, dtype=accept_prob.dtype)
+        u = torch.rand(b, n, generator=generator, device=device, dtype=draft_probs.dtype)
     else:
         u = seeded_uniform(seeds, positions[:, 1:], SALT_ACCEPT)  # keyed by the position d_i would take
-    accept_len = (u < accept_prob).int().cumprod(-1).sum(-1)  # [b]
-    # rejection_tables' stop_dist, for the one row each request stops at (not all B: V is large)
-    V = target_probs.shape[-1]
-    row = accept_len.long()[:, None, None].expand(-1, 1, V)
-    p_stop = target_probs.gather(1, row).squeeze(1)  # [b, V]
-    q_stop = draft_probs.gather(1, row.clamp(max=n - 1)).squeeze(1) * (accept_len < n)[:, None]  # q_B = 0
-    stop = stop_distribution(p_stop, q_stop)
+    accept_len = torch.full((b,), n, dtype=torch.long, device=device)
+    stop = torch.empty(b, V, dtype=draft_probs.dtype, device=device)  # each request's stop distribution
+    active = torch.arange(b, device=device)  # the requests that accepted every draft so far
+    for j in range(n + 1):
+        if active.numel() == 0:
+            break
+        p = p_row(j, active).to(stop.dtype)  # [m, V]
+        if j == n:  # every draft accepted: the next token comes from p_B
+            stop[active] = p / p.sum(-1, keepdim=True)
+            break
+        d = draft_tokens[active, j, None].long()
+        q = draft_probs[active, j]
+        p_d, q_d = p.gather(1, d).squeeze(1), q.gather(1, d).squeeze(1)
+        accept = torch.where(q_d > 0, (p_d / q_d.clamp_min(torch.finfo(q_d.dtype).tiny)).clamp(max=1), 0)
+        ok = u[active, j] < accept
+        rejected = active[~ok]
+        accept_len[rejected] = j
+        stop[rejected] = stop_distribution(p[~ok], q[~ok])
+        active = active[ok]
     if seeds is None:
         next_token = torch.multinomial(stop, 1, generator=generator).squeeze(1)
     else:  # keyed by the position the drawn token takes
-        next_token = sample_inverse_cdf(stop, seeded_uniform(seeds, positions.gather(1, accept_len[:, None].long()) + 1,
+        next_token = sample_inverse_cdf(stop, seeded_uniform(seeds, positions.gather(1, accept_len[:, None]) + 1,
                                                               SALT_STOP).squeeze(1))
     return accept_len, next_token
 

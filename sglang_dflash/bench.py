@@ -22,6 +22,8 @@ from pathlib import Path
 
 import requests
 
+from sglang_dflash.train.data import chat_ids
+
 REPO_DATA = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
 BOXED = "{}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 # name -> (hub dataset args, split, field, prompt template): the reference DFlash benchmark's names and formats
@@ -85,9 +87,7 @@ def _hub_reachable() -> bool:
 def tokenize(tokenizer, prompts: list[dict], chat_template: bool = True, enable_thinking: bool = False) -> list[list[int]]:
     if not chat_template:
         return [tokenizer(p["prompt"])["input_ids"] for p in prompts]
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True,
-                                               enable_thinking=enable_thinking, return_dict=True)["input_ids"])
-            for p in prompts]
+    return [chat_ids(tokenizer, p["prompt"], enable_thinking) for p in prompts]
 
 
 # ---- one run against one server ------------------------------------------
@@ -126,10 +126,14 @@ def stream_one(url: str, input_ids: list[int], sampling: dict, timeout: float = 
                    ttft or 0.0, time.perf_counter() - t0)
 
 
-def read_stats(path: str | None) -> list[int] | None:
+def read_stats(path: str | None) -> dict | None:
+    """The DFLASH worker's SGLANG_DFLASH_STATS_FILE: accept_length_histogram, decode_batches, phase_seconds."""
     if not path or not os.path.exists(path):
         return None
-    return json.loads(Path(path).read_text())["accept_length_histogram"]
+    return json.loads(Path(path).read_text())
+
+
+PHASES = ("build_block", "draft", "verify", "accept", "commit")
 
 
 def run(url: str, inputs: list[list[int]], concurrency: int, sampling: dict, stats_file: str | None = None,
@@ -156,11 +160,26 @@ def run(url: str, inputs: list[list[int]], concurrency: int, sampling: dict, sta
     }
     after = read_stats(stats_file)
     if after is not None:
-        hist = [a - b for a, b in zip(after, before or [0] * len(after))]
-        steps = sum(hist)
-        out["accept_length_histogram"] = hist  # index n: verify steps that committed n tokens
-        # row k (1 …) of the block is accepted when a step commits more than k tokens
-        out["accept_rate_by_row"] = [sum(hist[k + 1:]) / steps if steps else None for k in range(1, len(hist) - 1)]
+        out.update(stats_figures(before or {}, after, wall))
+    return out
+
+
+def stats_figures(before: dict, after: dict, wall: float) -> dict:
+    """What the DFLASH worker's stats file says about one run (its contents before and after it):
+    the accept-length histogram, per-row acceptance, and the step profile (ms per decode batch in
+    each phase, and the rest of the run's wall time: prefill, scheduler, HTTP)."""
+    zeros = [0] * len(after["accept_length_histogram"])
+    hist = [a - b for a, b in zip(after["accept_length_histogram"], before.get("accept_length_histogram", zeros))]
+    steps = sum(hist)
+    out = {"accept_length_histogram": hist,  # index n: verify steps that committed n tokens
+           # row k (1 …) of the block is accepted when a step commits more than k tokens
+           "accept_rate_by_row": [sum(hist[k + 1:]) / steps if steps else None for k in range(1, len(hist) - 1)]}
+    batches = after.get("decode_batches", 0) - before.get("decode_batches", 0)
+    if batches:
+        spent = {k: after["phase_seconds"].get(k, 0.0) - before.get("phase_seconds", {}).get(k, 0.0) for k in PHASES}
+        out["decode_batches"] = batches
+        out["step_ms"] = {k: 1e3 * v / batches for k, v in spent.items()}
+        out["step_ms"]["rest"] = 1e3 * (wall - sum(spent.values())) / batches
     return out
 
 
@@ -181,6 +200,16 @@ def markdown(results: dict) -> str:
             tau = f"{r['tau']:.2f}" if r["tau"] else "-"
             lines.append(f"| {name} | {r['concurrency']} | {r['baseline_tok_per_s']:.1f} | {r['dflash_tok_per_s']:.1f} "
                          f"| {r['speedup']:.2f}× | {tau} | {ident} |")
+    profiled = [(name, r) for name, runs in results["dflash"].items() for r in runs if r.get("step_ms")]
+    if profiled:
+        lines += ["", "DFLASH step profile, ms per decode batch (rest: prefill, scheduler, HTTP; the wall time of the "
+                  "run divided by its decode batches, minus the phases):", "",
+                  "| dataset | concurrency | decode batches | " + " | ".join(PHASES) + " | rest |",
+                  "| --- | ---: | ---: | " + " | ".join("---:" for _ in PHASES) + " | ---: |"]
+        for name, r in profiled:
+            ms = r["step_ms"]
+            lines.append(f"| {name} | {r['concurrency']} | {r['decode_batches']} | "
+                         + " | ".join(f"{ms[k]:.1f}" for k in (*PHASES, "rest")) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -12,14 +12,16 @@ Shapes: bs requests, B block size, V vocabulary, F = features × hidden.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import time
 
 import torch
 
-from sglang_dflash import __version__
-from sglang_dflash.accept import (SALT_DRAFT, accept_greedy, accept_sampled, filtered_probs, sample_inverse_cdf,
+from sglang_dflash import __version__, block_logits
+from sglang_dflash.accept import (SALT_DRAFT, accept_greedy, accept_sampled_rows, filtered_probs, sample_inverse_cdf,
                                    seeded_uniform)
 from sglang_dflash.config import load_checked
 from sglang_dflash.models.paged import PagedDraft
@@ -72,9 +74,12 @@ class DFlashWorker(_base()):
         self.lm_head_weight = target.lm_head.weight[: self.vocab_size]
         self.layer_ids = self.config.target_layer_ids
         self.page_size = server_args.page_size or 1
-        # SGLANG_DFLASH_STATS_FILE: keep a histogram of tokens committed per verify step there (for benchmarks)
+        # SGLANG_DFLASH_STATS_FILE: keep a histogram of tokens committed per verify step and the wall time of
+        # each step phase there (for benchmarks)
         self.stats_file = os.environ.get("SGLANG_DFLASH_STATS_FILE")
         self.accept_hist = torch.zeros(self.block_size + 1, dtype=torch.long)
+        self.decode_batches, self.phase_seconds = 0, {}  # and the wall time of each step phase
+        self.warned_custom = False
         step_ops = "CUDA kernels" if kernels.extension_available() and self.device != "cpu" else "torch twins"
         logger.info("sglang-dflash %s DFLASH worker: draft %s (%d layers, block %d, target layers %s), %s %s, "
                     "step ops: %s", __version__, server_args.speculative_draft_model_path, len(self.draft_model.layers),
@@ -113,6 +118,8 @@ class DFlashWorker(_base()):
             return self.prefill(batch)
         if batch.forward_mode.is_idle():
             raise NotImplementedError("idle batches (data parallel attention) are not supported")
+        if grammar_barrier is not None:  # the overlap scheduler's pending grammar advance
+            grammar_barrier()
         return self.decode_step(batch)
 
     def prefill(self, batch):
@@ -139,16 +146,21 @@ class DFlashWorker(_base()):
         B = self.block_size
         prefix_lens = batch.seq_lens.long()  # committed tokens; the bonus token is not in the KV yet
         req_to_token = batch.req_to_token_pool.req_to_token
-        block_ids, positions, slots = self.build_block(batch.spec_info.bonus_tokens, prefix_lens,
-                                                       batch.req_pool_indices, req_to_token)
-        sampled = not batch.sampling_info.is_all_greedy
-        draft_tokens, q = self.draft_forward(block_ids, positions, req_to_token, batch.req_pool_indices,
-                                             prefix_lens, batch.sampling_info if sampled else None)
-        block_ids[:, 1:] = draft_tokens
-        logits_output, logits, features = self.verify(batch, block_ids, positions, slots)
-        accept_len, next_token = self.accept(draft_tokens, q, logits, positions, batch.sampling_info if sampled else None)
+        sampling = None if batch.sampling_info.is_all_greedy else batch.sampling_info
+        with self.phase("build_block"):
+            block_ids, positions, slots = self.build_block(batch.spec_info.bonus_tokens, prefix_lens,
+                                                           batch.req_pool_indices, req_to_token)
+        with self.phase("draft"):
+            draft_tokens, q = self.draft_forward(block_ids, positions, req_to_token, batch.req_pool_indices,
+                                                 prefix_lens, sampling)
+            block_ids[:, 1:] = draft_tokens
+        with self.phase("verify"):
+            logits_output, logits, features = self.verify(batch, block_ids, positions, slots)
+        with self.phase("accept"):
+            accept_len, next_token = self.accept(draft_tokens, q, logits, positions, sampling)
         commit_lens = accept_len + 1  # the old bonus + accepted drafts enter the KV; next_token is the new bonus
-        self.commit(features, positions, slots, commit_lens)
+        with self.phase("commit"):
+            self.commit(features, positions, slots, commit_lens)
         if self.stats_file:
             self.record_stats(commit_lens)
 
@@ -166,11 +178,27 @@ class DFlashWorker(_base()):
             new_seq_lens=new_seq_lens, next_draft_input=make_draft_input(next_token, new_seq_lens),
             speculative_num_draft_tokens=B, can_run_cuda_graph=False)
 
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Wall time of one phase of the step, kept only when SGLANG_DFLASH_STATS_FILE is set (then
+        with a device sync on both sides, so that it times the work, not its launch)."""
+        if not self.stats_file:
+            yield
+            return
+        sync = torch.cuda.synchronize if self.device != "cpu" and torch.cuda.is_available() else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        yield
+        sync()
+        self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + time.perf_counter() - t0
+
     def record_stats(self, commit_lens):
         self.accept_hist += torch.bincount(commit_lens.cpu(), minlength=self.block_size + 1)
+        self.decode_batches += 1
         tmp = f"{self.stats_file}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"accept_length_histogram": self.accept_hist.tolist()}, f)
+            json.dump({"accept_length_histogram": self.accept_hist.tolist(), "decode_batches": self.decode_batches,
+                       "phase_seconds": self.phase_seconds}, f)
         os.replace(tmp, self.stats_file)
 
     # ---- the five steps -------------------------------------------------
@@ -184,7 +212,9 @@ class DFlashWorker(_base()):
         """One non-causal draft forward -> draft tokens [bs, B-1] and, when sampling, their distributions q."""
         embeds = self.embed(block_ids.reshape(-1)).view(*block_ids.shape, -1)
         hidden = self.draft.forward_block(embeds, positions, req_to_token, req_pool_indices, prefix_lens)
-        logits = (hidden[:, 1:].to(self.lm_head_weight.dtype) @ self.lm_head_weight.T).float()  # [bs, B-1, V]
+        bs, B, H = hidden.shape
+        rows = hidden[:, 1:].reshape(bs * (B - 1), H).to(self.lm_head_weight.dtype)  # one GEMM (a strided 3-D
+        logits = (rows @ self.lm_head_weight.T).float().view(bs, B - 1, -1)  # operand would make it a bmm)
         if sampling_info is None:
             return logits.argmax(-1), None
         greedy = (sampling_info.top_ks == 1).view(-1, 1, 1)
@@ -200,7 +230,9 @@ class DFlashWorker(_base()):
 
     def verify(self, batch, block_ids, positions, slots):
         """One target forward over every request's block (TARGET_VERIFY), capturing the hidden states at
-        the draft's target layers -> (logits output, logits [bs, B, V], features [bs, B, F])."""
+        the draft's target layers -> (logits output, logits [bs, B, V], features [bs, B, F]). The logits
+        are the ones the non-speculative sampler would see at each row: the request's penalties, grammar,
+        logit_bias and custom processors applied as if the drafts before the row were its output."""
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
         from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 
@@ -212,18 +244,36 @@ class DFlashWorker(_base()):
         forward_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
         result = self.target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch, is_verify=True)
         out = result.logits_output
-        return out, out.next_token_logits.view(bs, B, -1), out.hidden_states.view(bs, B, -1)
+        logits = out.next_token_logits.view(bs, B, -1)
+        if block_logits.needs_rules(batch):
+            if batch.sampling_info.has_custom_logit_processor and not self.warned_custom:
+                self.warned_custom = True
+                logger.warning("custom logit processors run once per verify block with the request's committed "
+                               "output: one that reads the output so far does not see the block's drafts")
+            block_logits.apply_rules(logits, block_ids, batch)
+        return out, logits, out.hidden_states.view(bs, B, -1)
 
     def accept(self, draft_tokens, q, logits, positions, sampling_info):
-        """Greedy: longest matching prefix + the target's token. Sampling: rejection sampling with q."""
+        """Greedy: longest matching prefix + the target's token. Sampling: rejection sampling with q.
+        The target's filtered distribution p (what SGLang's sampler would sample from) is formed, on
+        the CPU, only for the block rows acceptance reaches (the work is proportional to the rows);
+        on a GPU for all rows in one pass (there the launches and host syncs of row-by-row cost
+        more: benchmarks/kernels.py measures both)."""
         if sampling_info is None:
             return accept_greedy(draft_tokens, logits)
-        bs, B, V = logits.shape
-        rep = lambda t: t.view(-1).repeat_interleave(B)  # noqa: E731  (one row per block position)
-        min_ps = rep(sampling_info.min_ps) if sampling_info.need_min_p_sampling else None
-        p = filtered_probs(logits.reshape(bs * B, V), rep(sampling_info.temperatures), rep(sampling_info.top_ks),
-                           rep(sampling_info.top_ps), min_ps).view(bs, B, V)
-        return accept_sampled(draft_tokens, q, p, seeds=sampling_info.sampling_seed, positions=positions)
+        info = sampling_info
+        temps, min_ps = info.temperatures.view(-1), info.min_ps if info.need_min_p_sampling else None
+        if logits.device.type == "cpu":
+            def p_row(j, rows):  # [len(rows), V]
+                return filtered_probs(logits[rows, j], temps[rows], info.top_ks[rows], info.top_ps[rows],
+                                      None if min_ps is None else min_ps[rows])
+        else:
+            bs, B, V = logits.shape
+            rep = lambda t: t.repeat_interleave(B)  # noqa: E731  (one row per block position)
+            p = filtered_probs(logits.reshape(bs * B, V), rep(temps), rep(info.top_ks), rep(info.top_ps),
+                               None if min_ps is None else rep(min_ps)).view(bs, B, V)
+            p_row = lambda j, rows: p[rows, j]  # noqa: E731
+        return accept_sampled_rows(draft_tokens, q, p_row, seeds=info.sampling_seed, positions=positions)
 
     def commit(self, features, positions, slots, commit_lens):
         """Write the draft context K/V of the committed block rows (bonus + accepted drafts)."""

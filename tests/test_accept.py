@@ -205,3 +205,27 @@ def test_top_p_on_the_sorted_head_equals_the_full_sort(monkeypatch):
             monkeypatch.undo()
             assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
             assert torch.equal(got > 0, want > 0)
+
+
+def test_target_rows_are_formed_only_where_acceptance_reaches():
+    """accept_sampled_rows asks for row j's target distribution only for the requests that accepted
+    every draft before it; the result equals accept_sampled's with all of p given."""
+    from sglang_dflash.accept import accept_sampled_rows
+
+    b, B, V = 64, 6, 5
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(b, B, V, generator=g) * 2, -1)
+    q = torch.softmax(torch.randn(b, B - 1, V, generator=g) * 2, -1)
+    drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(b, B - 1)
+    asked = []
+
+    def p_row(j, rows):
+        asked.append((j, rows.tolist()))
+        return p[rows, j]
+    got = accept_sampled_rows(drafts, q, p_row, generator=torch.Generator().manual_seed(7))
+    want = accept_sampled(drafts, q, p, generator=torch.Generator().manual_seed(7))
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    acc = got[0]
+    for j, rows in asked:
+        assert rows == [i for i in range(b) if acc[i] >= j], j
+    assert sum(len(r) for _, r in asked) == int((acc + 1).sum())  # one row per decision, not b × B

@@ -55,3 +55,20 @@ def test_shipped_subsets_load_offline(monkeypatch):
         assert len(rows) == 24 and all(r["prompt"] for r in rows)
     with pytest.raises(FileNotFoundError, match="math500"):
         bench.load_prompts("math500", 4)
+
+
+def test_stats_file_figures_and_step_profile():
+    """The worker's stats file before and after a run -> histogram, per-row acceptance, ms per decode batch."""
+    before = {"accept_length_histogram": [0, 2, 1, 0], "decode_batches": 3,
+              "phase_seconds": {"build_block": 0.01, "draft": 0.2, "verify": 0.5, "accept": 0.02, "commit": 0.05}}
+    after = {"accept_length_histogram": [0, 4, 4, 2], "decode_batches": 7,
+             "phase_seconds": {"build_block": 0.05, "draft": 0.6, "verify": 1.7, "accept": 0.06, "commit": 0.13}}
+    fig = bench.stats_figures(before, after, wall=3.0)
+    assert fig["accept_length_histogram"] == [0, 2, 3, 2] and fig["decode_batches"] == 4
+    assert fig["accept_rate_by_row"] == pytest.approx([5 / 7, 2 / 7])
+    ms = fig["step_ms"]
+    assert ms["draft"] == pytest.approx(100.0) and ms["verify"] == pytest.approx(300.0)
+    assert ms["rest"] == pytest.approx((3.0 - 1.76) / 4 * 1e3)  # the phases took 1.76 s of the 3 s
+    run = {"concurrency": 4, **fig}
+    table = bench.markdown({"side_by_side": {}, "dflash": {"gsm8k": [run]}})
+    assert "| gsm8k | 4 | 4 | 10.0 | 100.0 | 300.0 | 10.0 | 20.0 | 310.0 |" in table

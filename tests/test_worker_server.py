@@ -84,6 +84,13 @@ def oracle_server(smol, smol_base_url, tmp_path_factory):
     point_mass = stat_ids(smol, "point-mass draft")  # the statistical tests' prompt with proposals
     greedy = generate(smol_base_url, point_mass, temperature=0, max_new_tokens=32, ignore_eos=True)
     rows.append({"sequence": point_mass + greedy["output_ids"], "prompt_len": len(point_mass)})
+    rules = rule_cases(smol)
+    with ThreadPoolExecutor(8) as pool:
+        rule_refs = list(pool.map(lambda c: generate(smol_base_url, c[1], temperature=0, **c[2]), rules))
+    known = {tuple(r["sequence"][:r["prompt_len"]]) for r in rows}
+    for (_, ids, _), ref in zip(rules, rule_refs):  # propose the baseline's own output under the rules
+        if tuple(ids) not in known:
+            rows.append({"sequence": ids + ref["output_ids"], "prompt_len": len(ids)})
     folder = tmp_path_factory.mktemp("oracle")
     file = folder / "sequences.json"
     file.write_text(json.dumps(rows))
@@ -91,7 +98,31 @@ def oracle_server(smol, smol_base_url, tmp_path_factory):
            "SGLANG_DFLASH_STATS_FILE": str(folder / "stats.json"),  # read by the benchmark test
            "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}  # a KV leak, seen when idle, stops the server
     with sglang_server(smol["path"], *dflash_args(smol["draft"]), env=env) as url:
-        yield {"url": url, "stats": folder / "stats.json"}
+        yield {"url": url, "stats": folder / "stats.json", "rules": list(zip(rules, rule_refs))}
+
+
+JSON_SCHEMA = json.dumps({"type": "object", "properties": {"answer": {"type": "integer"}, "unit": {"type": "string"}},
+                          "required": ["answer", "unit"], "additionalProperties": False})
+
+
+def rule_cases(smol) -> list[tuple[str, list[int], dict]]:
+    """Requests with their own logit rules (penalties, min_new_tokens, logit_bias, a JSON schema),
+    one prompt each, 64 new tokens, greedy."""
+    inputs, base = smol["inputs"], smol["base"]
+    frequent = max(set(base[27]["output_ids"]), key=base[27]["output_ids"].count)
+    ended = next(i for i, ref in enumerate(base) if ref["meta_info"]["finish_reason"]["type"] == "stop")
+    n_end = len(base[ended]["output_ids"])
+    return [
+        ("frequency_penalty", inputs[24], {"frequency_penalty": 0.5, "max_new_tokens": 64}),
+        ("presence_penalty", inputs[25], {"presence_penalty": 0.75, "max_new_tokens": 64}),
+        ("repetition_penalty", inputs[26], {"repetition_penalty": 1.3, "max_new_tokens": 64}),
+        ("logit_bias", inputs[27], {"logit_bias": {str(frequent): -100.0}, "max_new_tokens": 64}),
+        ("json_schema", inputs[28], {"json_schema": JSON_SCHEMA, "max_new_tokens": 64}),
+        # the baseline ended this prompt with EOS: now it may not, until 8 tokens later
+        ("min_new_tokens", inputs[ended], {"min_new_tokens": n_end + 8, "max_new_tokens": n_end + 24}),
+        # an oracle prompt: its proposals are the output WITHOUT the penalty, rejected once it bites
+        ("frequency_penalty, stale proposals", inputs[0], {"frequency_penalty": 1.0, "max_new_tokens": 64}),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +226,58 @@ def test_return_logprob_matches_the_baseline(smol, smol_base_url, oracle_url):
             assert all(abs(a[0] - b[0]) < 1e-3 for a, b in zip(top, top0))
 
 
+def test_penalties_grammar_and_logit_bias_apply_per_block_row(oracle_server):
+    """Each verify row gets the request's rules as if the drafts before it were output: greedy output
+    equals the baseline's under frequency / presence / repetition penalties, min_new_tokens, logit_bias
+    and a JSON schema; fed the baseline's own output as proposals, whole blocks are accepted."""
+    for (name, ids, params), ref in oracle_server["rules"]:
+        out = generate(oracle_server["url"], ids, temperature=0, **params)
+        assert out["output_ids"] == ref["output_ids"], name
+        assert out["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"], name
+        print(f"{name}: {len(out['output_ids'])} tokens, τ {tau(out):.2f}")
+        if name == "json_schema" and out["meta_info"]["finish_reason"]["type"] == "stop":
+            json.loads(out["text"])  # a complete object
+        if "stale" not in name and name != "min_new_tokens":  # proposals are this very output: every
+            # verify accepts its whole block (16 tokens) after the prefill's first token
+            assert out["meta_info"]["spec_verify_ct"] == -(-(len(out["output_ids"]) - 1) // 16), (name, out["meta_info"])
+
+
+def frontend_program_outputs(url: str) -> dict:
+    """An SGLang frontend program (sgl.function): multi-turn chat, fork, a regex-constrained gen,
+    run against the server at url; returns every generated piece."""
+    import sglang as sgl
+
+    @sgl.function
+    def chat(s, question):
+        s += sgl.system("You are a concise assistant.")
+        s += sgl.user(question)
+        s += sgl.assistant(sgl.gen("answer", max_tokens=48, temperature=0))
+        s += sgl.user("Give the final number only.")
+        s += sgl.assistant(sgl.gen("number", max_tokens=8, temperature=0, regex=r"[0-9]+"))
+
+    @sgl.function
+    def facts(s, topic):
+        s += f"Two facts about {topic}:\n"
+        forks = s.fork(2)
+        for i, f in enumerate(forks):
+            f += f"{i + 1}. " + sgl.gen("fact", max_tokens=24, temperature=0, stop="\n")
+        forks.join()
+        s += "In short:" + sgl.gen("summary", max_tokens=24, temperature=0)
+
+    backend = sgl.RuntimeEndpoint(url)
+    a = chat.run(question="Tom has 3 apples and buys 4 more. How many apples does he have?", backend=backend)
+    b = facts.run(topic="the Moon", backend=backend)
+    return {"answer": a["answer"], "number": a["number"], "summary": b["summary"], "text": b.text()}
+
+
+def test_sglang_frontend_program(smol_base_url, oracle_url):
+    """The same frontend program against the DFLASH server and the server without speculation: the
+    same text, piece by piece (greedy, float32)."""
+    base, ours = frontend_program_outputs(smol_base_url), frontend_program_outputs(oracle_url)
+    assert base["number"].isdigit() and base["summary"]
+    assert ours == base
+
+
 def test_streaming(smol, oracle_url):
     r = requests.post(oracle_url + "/generate", stream=True, timeout=600, json={
         "input_ids": smol["inputs"][2], "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": 64}})
@@ -255,6 +338,7 @@ def test_bench_side_by_side_on_live_servers(smol, smol_base_url, oracle_server, 
         hist = run["accept_length_histogram"]
         assert len(hist) == 17 and sum(hist) == sum(q["verify_steps"] for q in run["per_request"])
         assert run["accept_rate_by_row"][0] > 0.9
+        assert run["decode_batches"] >= 1 and all(run["step_ms"][k] > 0 for k in ("draft", "verify", "accept"))
     assert "| mt-bench | 3 |" in (tmp_path / "results.md").read_text()
     for name in ("tau_histogram.png", "acceptance_by_row.png", "speedup.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
