@@ -89,7 +89,8 @@ def cmd_eval_draft(args) -> int:
 
     dtype = getattr(torch, args.dtype)
     target, tok = load_target(args.target, dtype)
-    draft = DFlashDraftModel.from_pretrained(args.draft, dtype=dtype)
+    target.to(args.device)
+    draft = DFlashDraftModel.from_pretrained(args.draft, dtype=dtype, device=args.device)
     draft.config.check_target(target.config)
     report = {}
     for path in args.prompts:
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="who regenerates the responses: an SGLang server (launched, or --server-url) or Transformers")
     p.add_argument("--server-url", default=None)
     p.add_argument("--gen-dtype", default="bfloat16")
-    p.add_argument("--gen-concurrency", type=int, default=32)
+    p.add_argument("--gen-concurrency", type=int, default=32,
+                   help="requests in flight (sglang), or prompts per generate call (hf, on a GPU)")
     p.add_argument("--feature-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--num-layers", type=int, default=3)
     p.add_argument("--block-size", type=int, default=16)
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy acceptance; > 0: rejection sampling (seeded, reproducible)")
     p.add_argument("--json", default=None, help="write the full report here")
+    p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_eval_draft)
     p = sub.add_parser("bench", help="τ and speedup, DFLASH against no speculation, side by side on real servers")
     add_bench_arguments(p)

@@ -81,15 +81,13 @@ def gather_context_features(hidden, commit_lens, positions, slots):
 
 
 # ---- accept_greedy -------------------------------------------------------------------------------
-def accept_greedy_torch(draft_tokens, target_tokens, seq_lens=None):
+def accept_greedy_torch(draft_tokens, target_tokens, seq_lens):
     """draft_tokens [bs, B-1], target_tokens [bs, B] (the target's argmax at every block row),
-    seq_lens [bs] (zeros if None) -> accept_len [bs] (longest prefix with d_i == t_{i-1}), next_token [bs]
+    seq_lens [bs] -> accept_len [bs] (longest prefix with d_i == t_{i-1}), next_token [bs]
     (the target's token after it), new_seq_lens [bs] = seq_lens + accept_len + 1."""
     match = draft_tokens == target_tokens[:, :-1]
     accept_len = match.long().cumprod(-1).sum(-1)
     next_token = target_tokens.gather(1, accept_len[:, None]).squeeze(1)
-    if seq_lens is None:
-        seq_lens = torch.zeros_like(accept_len)
     return accept_len, next_token, seq_lens + accept_len + 1
 
 

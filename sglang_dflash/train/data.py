@@ -37,10 +37,12 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
     return rows
 
 
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    """The prompt as one user turn, with the generation prompt, as the server would tokenize it."""
+def chat_ids(tokenizer, prompt: str, enable_thinking: bool | None = None) -> list[int]:
+    """The prompt as one user turn, with the generation prompt, as the server would tokenize it
+    (enable_thinking: the template switch of thinking models, passed only when given)."""
+    extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                              return_dict=True)["input_ids"])
+                                              return_dict=True, **extra)["input_ids"])
 
 
 def read_responses(path: str | Path) -> list[dict]:
@@ -50,7 +52,8 @@ def read_responses(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _todo(prompts: list[dict], out: Path) -> list[dict]:
+def missing_responses(prompts: list[dict], out: Path) -> list[dict]:
+    """The prompts with no response in out yet (regeneration resumes where it stopped)."""
     done = {r["id"] for r in read_responses(out)}
     return [p for p in prompts if p["id"] not in done]
 
@@ -62,7 +65,7 @@ def regenerate_with_server(url: str, tokenizer, prompts: list[dict], out: str | 
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    todo = _todo(prompts, out)
+    todo = missing_responses(prompts, out)
 
     def one(p):
         ids = chat_ids(tokenizer, p["prompt"])
@@ -87,18 +90,29 @@ def regenerate_with_server(url: str, tokenizer, prompts: list[dict], out: str | 
 
 @torch.no_grad()
 def regenerate_with_hf(model, tokenizer, prompts: list[dict], out: str | Path, max_new_tokens: int,
-                       progress: bool = True) -> Path:
-    """Greedy responses from a Transformers model, one prompt at a time (small runs and tests)."""
+                       progress: bool = True, batch_size: int = 1) -> Path:
+    """Greedy responses from a Transformers model (on its device), batch_size prompts per generate
+    call (left-padded; 1 on a CPU, hundreds on a GPU), appended to out as they finish."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    todo = _todo(prompts, out)
+    todo = missing_responses(prompts, out)
     stops = model.generation_config.eos_token_id
+    stops = [stops] if isinstance(stops, int) else list(stops or [])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
+    device = next(model.parameters()).device
+    batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
     with open(out, "a") as f:
-        for p in _progress(todo, len(todo), "regenerate", progress):
-            ids = chat_ids(tokenizer, p["prompt"])
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=stops, pad_token_id=tokenizer.pad_token_id or 0)
-            f.write(json.dumps({"id": p["id"], "prompt_ids": ids, "output_ids": gen[0, len(ids):].tolist()}) + "\n")
+        for batch in _progress(batches, len(batches), "regenerate", progress):
+            ids = [chat_ids(tokenizer, p["prompt"]) for p in batch]
+            width = max(map(len, ids))
+            inputs = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device)
+            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
+            gen = model.generate(inputs, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=stops, pad_token_id=pad)[:, width:].tolist()
+            for p, x, g in zip(batch, ids, gen):
+                end = next((i + 1 for i, t in enumerate(g) if t in stops), len(g))  # through the first stop token
+                f.write(json.dumps({"id": p["id"], "prompt_ids": x, "output_ids": g[:end]}) + "\n")
+            f.flush()
     return out
 
 

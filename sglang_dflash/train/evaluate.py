@@ -27,9 +27,10 @@ def eval_draft(target, tok, draft, prompts: list[dict], max_new_tokens: int = 25
 
         items = tqdm(prompts, desc="eval-draft", dynamic_ncols=True)
     seconds = 0.0
-    generator = torch.Generator().manual_seed(seed)
+    device = next(target.parameters()).device
+    generator = torch.Generator(device).manual_seed(seed)
     for p in items:
-        out = spec_generate(target, draft, torch.tensor(chat_ids(tok, p["prompt"])), max_new_tokens,
+        out = spec_generate(target, draft, torch.tensor(chat_ids(tok, p["prompt"]), device=device), max_new_tokens,
                             temperature=temperature, stop_token_ids=stops, generator=generator)
         steps += out.accept_lengths
         seconds += out.seconds

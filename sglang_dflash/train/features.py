@@ -78,13 +78,14 @@ def build_feature_cache(target, responses: list[dict], layer_ids: list[int], roo
                 bar.update(len(rows))
             continue
         tokens, prompt_lens, context, final, offsets = [], [], [], [], [0]
+        device = next(target.parameters()).device
         for r in rows:
             seq = torch.tensor((r["prompt_ids"] + r["output_ids"])[:max_len])
-            out = target(input_ids=seq[None], output_hidden_states=True, logits_to_keep=1)
+            out = target(input_ids=seq[None].to(device), output_hidden_states=True, logits_to_keep=1)
             tokens.append(seq.to(torch.int32))
             prompt_lens.append(len(r["prompt_ids"]))
-            context.append(target_features(out.hidden_states, layer_ids)[0].to(torch.bfloat16))
-            final.append(out.hidden_states[-1][0].to(torch.bfloat16))
+            context.append(target_features(out.hidden_states, layer_ids)[0].to("cpu", torch.bfloat16))
+            final.append(out.hidden_states[-1][0].to("cpu", torch.bfloat16))
             offsets.append(offsets[-1] + seq.numel())
             if bar:
                 bar.update(1)

@@ -55,12 +55,13 @@ def load_target(path: str, dtype: torch.dtype):
 def regenerate(r: Recipe, tok, target_fp32=None) -> list[dict]:
     prompts = [p for f in r.prompts for p in data.read_prompts(f, r.num_prompts)]
     out = Path(r.work) / "responses.jsonl"
-    if r.generator == "hf":
-        model = target_fp32 if target_fp32 is not None else load_target(r.target, torch.float32)[0]
-        data.regenerate_with_hf(model, tok, prompts, out, r.max_new_tokens)
+    if r.generator == "hf":  # on a GPU gen_concurrency prompts per generate call, on a CPU one at a time
+        model = target_fp32 if target_fp32 is not None else load_target(r.target, torch.float32)[0].to(r.device)
+        data.regenerate_with_hf(model, tok, prompts, out, r.max_new_tokens,
+                                batch_size=1 if r.device == "cpu" else r.gen_concurrency)
     elif r.server_url:
         data.regenerate_with_server(r.server_url, tok, prompts, out, r.max_new_tokens, r.gen_concurrency)
-    elif data._todo(prompts, out):
+    elif data.missing_responses(prompts, out):
         from sglang_dflash.server import sglang_server
 
         with sglang_server(r.target, "--dtype", r.gen_dtype, "--max-running-requests", str(r.gen_concurrency),
@@ -92,6 +93,7 @@ def run(r: Recipe) -> dict:
     settings.write_text(json.dumps(dataclasses.asdict(r), indent=2) + "\n")
 
     target, tok = load_target(r.target, getattr(torch, r.feature_dtype))
+    target.to(r.device)  # regeneration (hf) and the feature cache run on the training device
     cfg = draft_config(r, target, tok)
     cfg.check_target(target.config)
     responses = regenerate(r, tok, target if r.feature_dtype == "float32" else None)
@@ -102,8 +104,8 @@ def run(r: Recipe) -> dict:
     draft = DFlashDraftModel.random(cfg, seed=r.fit.seed)
     if r.init == "target":
         init_from_target(draft, target)
-    frozen = Frozen(target.get_input_embeddings().weight.float(), target.get_output_embeddings().weight.float(),
-                    training_vocab(seqs, cfg.vocab_size))
+    frozen = Frozen(target.get_input_embeddings().weight.float().cpu(),
+                    target.get_output_embeddings().weight.float().cpu(), training_vocab(seqs, cfg.vocab_size))
     del target
     metrics = fit(draft, frozen, seqs, r.fit, work, r.out, device=r.device)
     write_card(r, metrics, len(seqs), sum(s.tokens.numel() - s.prompt_len for s in seqs))
