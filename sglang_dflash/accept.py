@@ -43,6 +43,11 @@ def accept_probs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_p
     idx = draft_tokens[..., None]
     p_d = target_probs[:, :-1].gather(-1, idx).squeeze(-1)  # [b, B-1]
     q_d = draft_probs.gather(-1, idx).squeeze(-1)
+    return accept_prob(p_d, q_d)
+
+
+def accept_prob(p_d: torch.Tensor, q_d: torch.Tensor) -> torch.Tensor:
+    """min(1, p(d) / q(d)) elementwise; 0 where q(d) = 0 (a token the draft cannot propose)."""
     return torch.where(q_d > 0, (p_d / q_d.clamp_min(torch.finfo(q_d.dtype).tiny)).clamp(max=1), 0)
 
 
@@ -96,9 +101,7 @@ def accept_sampled_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, p
             break
         d = draft_tokens[active, j, None].long()
         q = draft_probs[active, j]
-        p_d, q_d = p.gather(1, d).squeeze(1), q.gather(1, d).squeeze(1)
-        accept = torch.where(q_d > 0, (p_d / q_d.clamp_min(torch.finfo(q_d.dtype).tiny)).clamp(max=1), 0)
-        ok = u[active, j] < accept
+        ok = u[active, j] < accept_prob(p.gather(1, d).squeeze(1), q.gather(1, d).squeeze(1))
         rejected = active[~ok]
         accept_len[rejected] = j
         stop[rejected] = stop_distribution(p[~ok], q[~ok])
