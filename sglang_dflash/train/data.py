@@ -13,7 +13,7 @@ already in the file are skipped.
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Iterable
 
@@ -77,7 +77,8 @@ def regenerate_with_server(url: str, tokenizer, prompts: list[dict], out: str | 
 
     failed = 0
     with open(out, "a") as f, ThreadPoolExecutor(concurrency) as pool:
-        for row in _progress(pool.map(one, todo), len(todo), "regenerate", progress):
+        done = as_completed([pool.submit(one, p) for p in todo])  # saved as they finish: a stop loses only those
+        for row in _progress((d.result() for d in done), len(todo), "regenerate", progress):  # in flight
             if "error" in row:
                 failed += 1
                 continue

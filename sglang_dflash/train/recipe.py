@@ -64,11 +64,15 @@ def regenerate(r: Recipe, tok, target_fp32=None) -> list[dict]:
     elif data.missing_responses(prompts, out):
         from sglang_dflash.server import sglang_server
 
+        # a KV pool for gen_concurrency requests of up to 512 prompt tokens (SGLang's default on a CPU takes
+        # most of the machine's memory: 16 GB for SmolLM2 in float32 on the project's 24 GB machines)
+        pool = r.gen_concurrency * (512 + r.max_new_tokens)
         with sglang_server(r.target, "--dtype", r.gen_dtype, "--max-running-requests", str(r.gen_concurrency),
+                           "--max-total-tokens", str(pool),
                            log_path=str(Path(r.work) / "regenerate-server.log"), timeout=600) as url:
             data.regenerate_with_server(url, tok, prompts, out, r.max_new_tokens, r.gen_concurrency)
-    wanted = {p["id"] for p in prompts}
-    return [row for row in data.read_responses(out) if row["id"] in wanted]
+    order = {p["id"]: i for i, p in enumerate(prompts)}  # the prompt set's order, whatever order they finished in
+    return sorted((row for row in data.read_responses(out) if row["id"] in order), key=lambda row: order[row["id"]])
 
 
 def draft_config(r: Recipe, target, tok) -> DraftConfig:
