@@ -160,7 +160,7 @@ class DraftConfig:
     def check_target(self, target: Any, num_draft_tokens: int | None = None) -> None:
         """Checks that the draft fits a target, given the target's HF config (or a dict).
 
-        num_draft_tokens: the server's --speculative-num-draft-tokens, when given.
+        num_draft_tokens: the server's --speculative-num-draft-tokens (the verify window), when given.
         """
         get = (lambda k, default=None: target.get(k, default)) if isinstance(target, dict) else \
               (lambda k, default=None: getattr(target, k, default))
@@ -180,9 +180,9 @@ class DraftConfig:
         bad = [i for i in self.target_layer_ids if not 0 <= i < t_layers]
         if bad:
             raise DraftConfigError(f"target_layer_ids {bad} are out of range for a target with {t_layers} layers")
-        if num_draft_tokens is not None and num_draft_tokens != self.block_size:
-            raise DraftConfigError(f"--speculative-num-draft-tokens {num_draft_tokens} does not match the draft's "
-                                   f"block_size {self.block_size}")
+        if num_draft_tokens is not None and not 2 <= num_draft_tokens <= self.block_size:
+            raise DraftConfigError(f"--speculative-num-draft-tokens {num_draft_tokens} (the tokens verified per step) "
+                                   f"must be between 2 and the draft's block_size {self.block_size}")
 
 
 def draft_config_for_target(target: Any, *, num_layers: int = 1, block_size: int = 16, mask_token_id: int,

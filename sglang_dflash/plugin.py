@@ -42,14 +42,16 @@ def create_worker(original, self, server_args):
 def handle_dflash_args(original, server_args):
     """Our DFLASH argument handling (replaces SGLang's, which refuses device cpu)."""
     from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+    from sglang.srt.runtime_context import attn_dp_enabled_of
 
     from sglang_dflash.config import load_checked
 
     cfg = resolving_view(server_args)
     if cfg.pp_size != 1:
         raise ValueError("DFLASH supports only --pp-size 1")
-    if cfg.tp_size != 1:
-        raise ValueError("sglang-dflash's DFLASH worker does not support tensor parallelism yet: use --tp 1")
+    if attn_dp_enabled_of(cfg) or cfg.attn_cp_size != 1:
+        raise ValueError("sglang-dflash's DFLASH worker does not support data-parallel or context-parallel attention "
+                         "(plain --tp N works)")
     if cfg.speculative_draft_model_path is None:
         raise ValueError("DFLASH needs --speculative-draft-model-path")
     draft = load_checked(cfg.speculative_draft_model_path, cfg.model_path, cfg.speculative_num_draft_tokens,
@@ -57,7 +59,11 @@ def handle_dflash_args(original, server_args):
     if cfg.speculative_dflash_block_size is not None and int(cfg.speculative_dflash_block_size) != draft.block_size:
         raise ValueError(f"--speculative-dflash-block-size {cfg.speculative_dflash_block_size} does not match "
                          f"the draft's block_size {draft.block_size}")
-    decided = dict(speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=draft.block_size,
+    # --speculative-num-draft-tokens K is the verify window: each step verifies the bonus token and the
+    # first K-1 of the draft's B-1 proposals (default K = B; a smaller K costs less per step when the
+    # draft's later proposals are rarely accepted)
+    window = cfg.speculative_num_draft_tokens or draft.block_size
+    decided = dict(speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=window,
                    disable_overlap_schedule=True)
     if cfg.max_running_requests is None:
         decided["max_running_requests"] = 48

@@ -7,7 +7,16 @@ Prefill runs the target with hidden-state capture and writes the draft context
 K/V of every prompt token. The draft's context K/V live in a paged store
 indexed by the target's own KV slots (see models/paged.py).
 
-Shapes: bs requests, B block size, V vocabulary, F = features × hidden.
+Tensor parallelism: the target is sharded as SGLang shards it; the draft is replicated on
+every rank (it is small) and proposes through the target's vocabulary-sharded lm_head
+(draft_head.py). Every rank must feed the target's collectives the same tokens and commit the
+same lengths: greedy decisions are made from inputs that are identical on every rank (the
+gathered verify logits, the all-reduced hidden states, the replicated draft), so they agree by
+construction; random draws (sampled drafts, rejection sampling) are taken from rank 0
+(`tp_broadcast`).
+
+Shapes: bs requests, B the draft's block size, K ≤ B the verify window (--speculative-num-draft-tokens,
+B by default), V vocabulary, F = features × hidden.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from sglang_dflash import __version__, block_logits
 from sglang_dflash.accept import (SALT_DRAFT, accept_greedy, accept_sampled_rows, filtered_probs, sample_inverse_cdf,
                                    seeded_uniform)
 from sglang_dflash.config import load_checked
+from sglang_dflash.draft_head import DraftHead
 from sglang_dflash.models.paged import PagedDraft
 from sglang_dflash.models.reference import DFlashDraftModel
 from sglang_dflash.ops import kernels
@@ -62,28 +72,29 @@ class DFlashWorker(_base()):
         self.dtype = self.model_runner.dtype
         self.config = load_checked(server_args.speculative_draft_model_path, server_args.model_path,
                                    server_args.speculative_num_draft_tokens, server_args.trust_remote_code)
-        self.block_size = self.config.block_size
-        if server_args.tp_size != 1:
-            raise NotImplementedError("sglang-dflash's DFLASH worker does not support tensor parallelism yet (--tp 1)")
+        self.block_size = self.config.block_size  # B: the draft's block (what it was trained to fill)
+        self.window = server_args.speculative_num_draft_tokens or self.block_size  # K ≤ B tokens verified per step
         self.draft_model = DFlashDraftModel.from_pretrained(server_args.speculative_draft_model_path, dtype=self.dtype,
                                                             device=self.device)
         self.draft: PagedDraft | None = None  # allocated once the target's KV pool exists
         target = self.model_runner.model
         self.embed = target.get_input_embeddings()
         self.vocab_size = self.model_runner.model_config.vocab_size
-        self.lm_head_weight = target.lm_head.weight[: self.vocab_size]
+        self.tp_size = server_args.tp_size
+        self.head = DraftHead.of_target(target.lm_head, self.vocab_size, self.tp_size)
         self.layer_ids = self.config.target_layer_ids
         self.page_size = server_args.page_size or 1
         # SGLANG_DFLASH_STATS_FILE: keep a histogram of tokens committed per verify step and the wall time of
         # each step phase there (for benchmarks)
         self.stats_file = os.environ.get("SGLANG_DFLASH_STATS_FILE")
-        self.accept_hist = torch.zeros(self.block_size + 1, dtype=torch.long)
+        self.accept_hist = torch.zeros(self.window + 1, dtype=torch.long)
         self.decode_batches, self.phase_seconds = 0, {}  # and the wall time of each step phase
         self.warned_custom = False
         step_ops = "CUDA kernels" if kernels.extension_available() and self.device != "cpu" else "torch twins"
-        logger.info("sglang-dflash %s DFLASH worker: draft %s (%d layers, block %d, target layers %s), %s %s, "
-                    "step ops: %s", __version__, server_args.speculative_draft_model_path, len(self.draft_model.layers),
-                    self.block_size, self.layer_ids, self.device, self.dtype, step_ops)
+        logger.info("sglang-dflash %s DFLASH worker: draft %s (%d layers, block %d, target layers %s), verify "
+                    "window %d, %s %s, step ops: %s, tp %d (draft replicated)", __version__,
+                    server_args.speculative_draft_model_path, len(self.draft_model.layers), self.block_size,
+                    self.layer_ids, self.window, self.device, self.dtype, step_ops, self.tp_size)
 
     # ---- what the scheduler calls at start-up ---------------------------
     def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
@@ -143,7 +154,7 @@ class DFlashWorker(_base()):
     def decode_step(self, batch):
         from sglang.srt.managers.utils import GenerationBatchResult
 
-        B = self.block_size
+        K = self.window
         prefix_lens = batch.seq_lens.long()  # committed tokens; the bonus token is not in the KV yet
         req_to_token = batch.req_to_token_pool.req_to_token
         sampling = None if batch.sampling_info.is_all_greedy else batch.sampling_info
@@ -153,30 +164,43 @@ class DFlashWorker(_base()):
         with self.phase("draft"):
             draft_tokens, q = self.draft_forward(block_ids, positions, req_to_token, batch.req_pool_indices,
                                                  prefix_lens, sampling)
+            if sampling is not None:
+                self.tp_broadcast(draft_tokens)
             block_ids[:, 1:] = draft_tokens
         with self.phase("verify"):
             logits_output, logits, features = self.verify(batch, block_ids, positions, slots)
         with self.phase("accept"):
             accept_len, next_token = self.accept(draft_tokens, q, logits, positions, sampling)
+            if sampling is not None:
+                self.tp_broadcast(accept_len, next_token)
         commit_lens = accept_len + 1  # the old bonus + accepted drafts enter the KV; next_token is the new bonus
         with self.phase("commit"):
             self.commit(features, positions, slots, commit_lens)
         if self.stats_file:
             self.record_stats(commit_lens)
 
-        # [bs, B]: row i emits out_tokens[i, :commit_lens[i]] (its accepted drafts, then next_token)
+        # [bs, K]: row i emits out_tokens[i, :commit_lens[i]] (its accepted drafts, then next_token)
         out_tokens = torch.cat([draft_tokens, next_token[:, None]], dim=1)
         out_tokens.scatter_(1, accept_len[:, None], next_token[:, None])
         new_seq_lens = prefix_lens + commit_lens
-        if batch.return_logprob:  # [bs, B] logprobs of out_tokens (+ top-k / token-id lists), as the scheduler reads them
+        if batch.return_logprob:  # [bs, K] logprobs of out_tokens (+ top-k / token-id lists), as the scheduler reads them
             from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 
-            compute_spec_logprobs(batch, logits_output, out_tokens.reshape(-1), chain_stride=B)
+            compute_spec_logprobs(batch, logits_output, out_tokens.reshape(-1), chain_stride=K)
         logits_output.hidden_states = None
         return GenerationBatchResult(
             logits_output=logits_output, next_token_ids=out_tokens.reshape(-1), accept_lens=commit_lens.to(torch.int32),
             new_seq_lens=new_seq_lens, next_draft_input=make_draft_input(next_token, new_seq_lens),
-            speculative_num_draft_tokens=B, can_run_cuda_graph=False)
+            speculative_num_draft_tokens=K, can_run_cuda_graph=False)
+
+    def tp_broadcast(self, *tensors: torch.Tensor) -> None:
+        """Overwrite tensors in place with TP rank 0's values (random draws differ between ranks)."""
+        if self.tp_size == 1:
+            return
+        from sglang.srt.distributed import get_tp_group
+
+        for t in tensors:
+            get_tp_group().broadcast(t, src=0)
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -193,7 +217,7 @@ class DFlashWorker(_base()):
         self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + time.perf_counter() - t0
 
     def record_stats(self, commit_lens):
-        self.accept_hist += torch.bincount(commit_lens.cpu(), minlength=self.block_size + 1)
+        self.accept_hist += torch.bincount(commit_lens.cpu(), minlength=self.window + 1)
         self.decode_batches += 1
         tmp = f"{self.stats_file}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
@@ -203,20 +227,26 @@ class DFlashWorker(_base()):
 
     # ---- the five steps -------------------------------------------------
     def build_block(self, bonus_tokens, prefix_lens, req_pool_indices, req_to_token):
-        """[bonus, MASK, …] per request, positions prefix … prefix + B - 1, and their KV slots (reserved
-        by the scheduler's prepare_for_decode) -> three [bs, B] tensors."""
+        """[bonus, MASK, …] per request, positions prefix … prefix + K - 1, and their KV slots (reserved
+        by the scheduler's prepare_for_decode) -> three [bs, K] tensors."""
         return kernels.build_block(bonus_tokens, prefix_lens, req_pool_indices, req_to_token,
-                                   self.config.mask_token_id, self.block_size, self.page_size)
+                                   self.config.mask_token_id, self.window, self.page_size)
 
     def draft_forward(self, block_ids, positions, req_to_token, req_pool_indices, prefix_lens, sampling_info):
-        """One non-causal draft forward -> draft tokens [bs, B-1] and, when sampling, their distributions q."""
-        embeds = self.embed(block_ids.reshape(-1)).view(*block_ids.shape, -1)
-        hidden = self.draft.forward_block(embeds, positions, req_to_token, req_pool_indices, prefix_lens)
-        bs, B, H = hidden.shape
-        rows = hidden[:, 1:].reshape(bs * (B - 1), H).to(self.lm_head_weight.dtype)  # one GEMM (a strided 3-D
-        logits = (rows @ self.lm_head_weight.T).float().view(bs, B - 1, -1)  # operand would make it a bmm)
+        """One non-causal draft forward over the whole block of B positions (the shape the draft was
+        trained on), given the window's block_ids [bs, K] (bonus, MASK, …) -> draft tokens [bs, K-1] and,
+        when sampling, their distributions q [bs, K-1, V]."""
+        bs, K = block_ids.shape
+        B, block_pos = self.block_size, positions
+        if K < B:  # the window is shorter than the block: the draft still fills B positions, K-1 are used
+            block_ids = torch.nn.functional.pad(block_ids, (0, B - K), value=self.config.mask_token_id)
+            block_pos = positions[:, :1] + torch.arange(B, device=positions.device)
+        embeds = self.embed(block_ids.reshape(-1)).view(bs, B, -1)
+        hidden = self.draft.forward_block(embeds, block_pos, req_to_token, req_pool_indices, prefix_lens)
+        rows = hidden[:, 1:K].reshape(bs * (K - 1), -1)  # [bs·(K-1), H]: one GEMM (a strided 3-D operand: a bmm)
         if sampling_info is None:
-            return logits.argmax(-1), None
+            return self.head.argmax(rows).view(bs, K - 1), None
+        logits = self.head.logits(rows).view(bs, K - 1, -1)  # [bs, K-1, V]
         greedy = (sampling_info.top_ks == 1).view(-1, 1, 1)
         q = torch.softmax(logits / sampling_info.temperatures.float().view(-1, 1, 1), dim=-1)
         if bool(greedy.any()):  # greedy rows of a mixed batch propose their argmax (q a point mass)
@@ -230,28 +260,28 @@ class DFlashWorker(_base()):
 
     def verify(self, batch, block_ids, positions, slots):
         """One target forward over every request's block (TARGET_VERIFY), capturing the hidden states at
-        the draft's target layers -> (logits output, logits [bs, B, V], features [bs, B, F]). The logits
+        the draft's target layers -> (logits output, logits [bs, K, V], features [bs, K, F]). The logits
         are the ones the non-speculative sampler would see at each row: the request's penalties, grammar,
         logit_bias and custom processors applied as if the drafts before the row were its output."""
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
         from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 
-        bs, B = block_ids.shape
+        bs, K = block_ids.shape
         verify_input = DFlashVerifyInput(draft_token=block_ids.reshape(-1), positions=positions.reshape(-1),
-                                         draft_token_num=B, custom_mask=None,
+                                         draft_token_num=K, custom_mask=None,
                                          capture_hidden_mode=CaptureHiddenMode.FULL)
         batch.out_cache_loc = slots.reshape(-1)
         forward_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
         result = self.target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch, is_verify=True)
         out = result.logits_output
-        logits = out.next_token_logits.view(bs, B, -1)
+        logits = out.next_token_logits[: bs * K].view(bs, K, -1)
         if block_logits.needs_rules(batch):
             if batch.sampling_info.has_custom_logit_processor and not self.warned_custom:
                 self.warned_custom = True
                 logger.warning("custom logit processors run once per verify block with the request's committed "
                                "output: one that reads the output so far does not see the block's drafts")
             block_logits.apply_rules(logits, block_ids, batch)
-        return out, logits, out.hidden_states.view(bs, B, -1)
+        return out, logits, out.hidden_states[: bs * K].view(bs, K, -1)
 
     def accept(self, draft_tokens, q, logits, positions, sampling_info):
         """Greedy: longest matching prefix + the target's token. Sampling: rejection sampling with q.
@@ -268,10 +298,10 @@ class DFlashWorker(_base()):
                 return filtered_probs(logits[rows, j], temps[rows], info.top_ks[rows], info.top_ps[rows],
                                       None if min_ps is None else min_ps[rows])
         else:
-            bs, B, V = logits.shape
-            rep = lambda t: t.repeat_interleave(B)  # noqa: E731  (one row per block position)
-            p = filtered_probs(logits.reshape(bs * B, V), rep(temps), rep(info.top_ks), rep(info.top_ps),
-                               None if min_ps is None else rep(min_ps)).view(bs, B, V)
+            bs, K, V = logits.shape
+            rep = lambda t: t.repeat_interleave(K)  # noqa: E731  (one row per block position)
+            p = filtered_probs(logits.reshape(bs * K, V), rep(temps), rep(info.top_ks), rep(info.top_ps),
+                               None if min_ps is None else rep(min_ps)).view(bs, K, V)
             p_row = lambda j, rows: p[rows, j]  # noqa: E731
         return accept_sampled_rows(draft_tokens, q, p_row, seeds=info.sampling_seed, positions=positions)
 

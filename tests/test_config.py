@@ -69,8 +69,11 @@ def test_target_mismatch_errors_name_the_problem():
         cfg.check_target({**QWEN3_8B, "vocab_size": 49152})
     with pytest.raises(DraftConfigError, match="built for a 36-layer target, this target has 28"):
         cfg.check_target({**QWEN3_8B, "num_hidden_layers": 28})
-    with pytest.raises(DraftConfigError, match="--speculative-num-draft-tokens 8 does not match the draft's block_size 16"):
-        cfg.check_target(QWEN3_8B, num_draft_tokens=8)
+    for window in (17, 1):  # the verify window: 2 … block_size tokens
+        with pytest.raises(DraftConfigError, match=rf"--speculative-num-draft-tokens {window} \(the tokens verified "
+                                                   r"per step\) must be between 2 and the draft's block_size 16"):
+            cfg.check_target(QWEN3_8B, num_draft_tokens=window)
+    cfg.check_target(QWEN3_8B, num_draft_tokens=4)
 
 
 def test_path_errors(tmp_path):

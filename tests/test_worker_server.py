@@ -39,9 +39,9 @@ def run_all(url: str, inputs: list[list[int]], concurrency: int, **sampling) -> 
         return list(pool.map(lambda ids: generate(url, ids, **sampling), inputs))
 
 
-def dflash_args(draft: Path, *extra: str) -> tuple[str, ...]:
+def dflash_args(draft: Path, *extra: str, window: int = 16) -> tuple[str, ...]:
     return ("--dtype", "float32", "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft),
-            "--speculative-num-draft-tokens", "16", *extra)
+            "--speculative-num-draft-tokens", str(window), *extra)
 
 
 def assert_same(outs: list[dict], refs: list[dict], what: str):
@@ -98,7 +98,7 @@ def oracle_server(smol, smol_base_url, tmp_path_factory):
            "SGLANG_DFLASH_STATS_FILE": str(folder / "stats.json"),  # read by the benchmark test
            "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}  # a KV leak, seen when idle, stops the server
     with sglang_server(smol["path"], *dflash_args(smol["draft"]), env=env) as url:
-        yield {"url": url, "stats": folder / "stats.json", "rules": list(zip(rules, rule_refs))}
+        yield {"url": url, "stats": folder / "stats.json", "rules": list(zip(rules, rule_refs)), "sequences": file}
 
 
 JSON_SCHEMA = json.dumps({"type": "object", "properties": {"answer": {"type": "integer"}, "unit": {"type": "string"}},
@@ -430,8 +430,57 @@ def test_chunked_prefill_and_page_size_16(smol):
     assert_same(outs, base, "chunked prefill + page size 16")
 
 
+def test_verify_window_shorter_than_the_block(smol, smol_base_url, oracle_server):
+    """--speculative-num-draft-tokens 4 with a 16-token draft: each step verifies the bonus and the
+    draft's first 3 proposals (the draft still fills its whole block). Output equals the baseline's;
+    with oracle proposals every step commits exactly 4 tokens."""
+    env = {"PYTHONPATH": str(ORACLE_PLUGIN), "SGLANG_DFLASH_ORACLE": str(oracle_server["sequences"])}
+    oracle, plain = smol["inputs"][:4], smol["inputs"][36:40]
+    with sglang_server(smol["path"], *dflash_args(smol["draft"], window=4), env=env) as url:
+        outs = run_all(url, oracle + plain, 8, max_new_tokens=64)
+        bodies = [{"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 24},
+                   "return_logprob": True, "top_logprobs_num": 2} for ids in (oracle[0], plain[0])]
+        logprobs = [requests.post(url + "/generate", timeout=600, json=body).json() for body in bodies]
+    refs = [dict(ref, output_ids=ref["output_ids"][:64]) for ref in smol["base"][:4] + smol["base"][36:40]]
+    assert_same(outs, refs, "verify window 4")
+    for out in outs[:4]:
+        if out["meta_info"]["finish_reason"]["type"] == "length":  # 1 token from prefill, 63 = 15 × 4 + 3
+            assert out["meta_info"]["spec_verify_ct"] == 16, out["meta_info"]
+    for body, out in zip(bodies, logprobs):  # the logprob rows have the window's stride
+        base = requests.post(smol_base_url + "/generate", timeout=600, json=body).json()
+        got, want = out["meta_info"]["output_token_logprobs"], base["meta_info"]["output_token_logprobs"]
+        assert [t[1] for t in got] == [t[1] for t in want] == base["output_ids"]
+        assert all(abs(a[0] - b[0]) < 1e-3 for a, b in zip(got, want))
+    print(f"window 4: oracle τ {[round(tau(o), 2) for o in outs[:4]]}, random draft τ {[round(tau(o), 2) for o in outs[4:]]}")
+
+
+def test_tensor_parallel_2_equals_1(smol, oracle_server):
+    """--tp 2 on this CPU (two ranks, one core each, gloo): the target sharded, the draft replicated and
+    proposing through the vocabulary-sharded lm_head. Greedy output equals the single-rank baseline's;
+    the oracle prompts still accept whole blocks (draft, verify and commit agree across the ranks); a
+    sampled request in the same batches completes (the ranks agree on every random draw, or the next
+    collective would hang). 32 tokens per prompt: decoding over gloo is slow."""
+    env = {"PYTHONPATH": str(ORACLE_PLUGIN), "SGLANG_DFLASH_ORACLE": str(oracle_server["sequences"])}
+    oracle, plain = smol["inputs"][:4], smol["inputs"][30:34]  # proposals: the baseline's own output | random
+    with sglang_server(smol["path"], *dflash_args(smol["draft"], "--tp", "2"), env=env, timeout=600) as url:
+        assert requests.get(url + "/server_info", timeout=30).json()["tp_size"] == 2
+        with ThreadPoolExecutor(1) as pool:
+            sampled = pool.submit(generate, url, smol["inputs"][35], temperature=0.8, max_new_tokens=32,
+                                  ignore_eos=True)
+            outs = run_all(url, oracle + plain, 8, max_new_tokens=32)
+            sampled = sampled.result()
+    refs = [dict(ref, output_ids=ref["output_ids"][:32]) for ref in smol["base"][:4] + smol["base"][30:34]]
+    assert_same(outs, refs, "tp 2")
+    for out in outs[:4]:
+        if out["meta_info"]["finish_reason"]["type"] == "length":  # 1 token from prefill, 31 = 16 + 15
+            assert out["meta_info"]["spec_verify_ct"] == 2, out["meta_info"]
+    assert len(sampled["output_ids"]) == sampled["meta_info"]["completion_tokens"] == 32
+    print(f"tp 2: oracle τ {[round(tau(o), 1) for o in outs[:4]]}, random draft τ {[round(tau(o), 2) for o in outs[4:]]}")
+
+
 @pytest.mark.parametrize("problem, change, message", [
-    ("block size", {"block_size": 8}, "--speculative-num-draft-tokens 16 does not match the draft's block_size 8"),
+    ("block size", {"block_size": 8}, "--speculative-num-draft-tokens 16 (the tokens verified per step) must be "
+                                      "between 2 and the draft's block_size 8"),
     ("hidden size", {"hidden_size": 64}, "draft hidden_size 64 does not match the target's 576"),
     ("mask token", {"dflash_config": {"target_layer_ids": [1, 27]}}, "mask_token_id is missing"),
     ("layer ids", {"dflash_config": {"target_layer_ids": [1, 30], "mask_token_id": 16}},
