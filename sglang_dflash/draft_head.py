@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from sglang_dflash.cpu import gemm
+
 AllGather = Callable[[torch.Tensor], torch.Tensor]  # [N, k] on every rank -> [N, tp·k], rank order
 
 
@@ -45,8 +47,8 @@ class DraftHead:
                    lambda t: tensor_model_parallel_all_gather(t.contiguous(), dim=-1))
 
     def local_logits(self, rows: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, S] float32 logits of this rank's rows (one GEMM)."""
-        return (rows.to(self.weight.dtype) @ self.weight.T).float()
+        """[N, H] -> [N, S] float32 logits of this rank's rows (one GEMM, on a CPU in the faster orientation)."""
+        return gemm.linear(rows.to(self.weight.dtype), self.weight).float()
 
     def argmax(self, rows: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N] the argmax over the whole vocabulary, the same on every rank."""

@@ -7,7 +7,8 @@ capture, draft KV sizing, the scheduler's DFLASH branches); what changes:
   - DFLASH's argument handling is ours: it checks the draft against the target (a bad draft stops
     the server with one line naming the problem), allows device cpu, and runs synchronously;
   - the torch_native attention backend learns TARGET_VERIFY batches (the CPU engine's backend);
-  - on the CPU engine, the sgl-kernel CPU operators the PyPI wheel lacks are registered.
+  - on the CPU engine, the sgl-kernel CPU operators the PyPI wheel lacks are registered, and the
+    target's float32 linear layers take a faster product inside the verify forward (cpu/gemm.py).
 SGLANG_DFLASH_IMPL=builtin leaves SGLang's builtin DFLASH untouched (for side-by-side runs).
 """
 
@@ -22,6 +23,8 @@ _registered = False
 CREATE_WORKER = "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_worker"
 HANDLE_ARGS = "sglang.srt.arg_groups.speculative_hook._handle_dflash"
 TORCH_NATIVE_EXTEND = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
+LINEAR_APPLY = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
+LM_HEAD = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
 
 
 def use_builtin() -> bool:
@@ -110,5 +113,9 @@ def register() -> None:
         from sglang_dflash.ops.cpu_kernels import register_missing_cpu_ops
 
         registered_ops = register_missing_cpu_ops()
+        from sglang_dflash.cpu import gemm  # float32 products of the verify forward (only inside it)
+
+        HookRegistry.register(LINEAR_APPLY, gemm.linear_method_apply, HookType.AROUND)
+        HookRegistry.register(LM_HEAD, gemm.compute_lm_head, HookType.AROUND)
     logger.info("sglang-dflash %s plugin loaded in pid %d: DFLASH is sglang-dflash's worker%s", __version__,
                 os.getpid(), f"; CPU ops added: {', '.join(registered_ops)}" if registered_ops else "")

@@ -33,6 +33,7 @@ from sglang_dflash import __version__, block_logits
 from sglang_dflash.accept import (SALT_DRAFT, accept_greedy, accept_sampled_rows, filtered_probs, sample_inverse_cdf,
                                    seeded_uniform)
 from sglang_dflash.config import load_checked
+from sglang_dflash.cpu import gemm
 from sglang_dflash.draft_head import DraftHead
 from sglang_dflash.models.paged import PagedDraft
 from sglang_dflash.models.reference import DFlashDraftModel
@@ -272,7 +273,9 @@ class DFlashWorker(_base()):
                                          capture_hidden_mode=CaptureHiddenMode.FULL)
         batch.out_cache_loc = slots.reshape(-1)
         forward_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
-        result = self.target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch, is_verify=True)
+        with gemm.verify_scope():  # on a CPU in float32: the block's rows through the faster product
+            result = self.target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch,
+                                                                 is_verify=True)
         out = result.logits_output
         logits = out.next_token_logits[: bs * K].view(bs, K, -1)
         if block_logits.needs_rules(batch):

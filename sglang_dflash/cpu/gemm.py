@@ -1,0 +1,75 @@
+"""Float32 linear layers over a few rows, on the CPU: the verify forward's products.
+
+Measured on the project's 2-core machine (torch 2.14, float32, SmolLM2-135M's 30 layers and its
+lm_head with weights not in cache, ms per forward of M rows):
+
+    M                      1     2     3     4     8    16    32    64
+    F.linear(x, W)        53    94   122    75    73    81   111   168
+    (W @ x.T).T           55    22    30    31    51    67    96   149
+
+torch's float32 x @ W.T falls off a cliff for a few rows, and the other orientation does not:
+with it, verifying a block of 4 tokens costs less than decoding one. bfloat16 shows no cliff
+(27 against 33 ms at M=4), so only float32 takes this path.
+
+`linear` computes the product the fast way. Inside `verify_scope()` the target's linear layers and
+its lm_head (SGLang's UnquantizedLinearMethod.apply and LogitsProcessor._compute_lm_head, hooked by
+the plugin on the CPU engine) use it too, for the DFLASH verify forward only: the server without
+speculation, prefill and every other forward keep SGLang's own path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+_verify_depth = 0
+
+
+def takes_fast_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    rows = x.numel() // max(x.shape[-1], 1)
+    return x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and rows >= 2
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias): x [..., in], weight [out, in] -> [..., out], contiguous."""
+    if not takes_fast_path(x, weight):
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    out = (weight @ rows.T).T.contiguous()  # [M, out]
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@contextlib.contextmanager
+def verify_scope():
+    """The target's linear layers and lm_head use `linear` while this is open (on a CPU, in float32)."""
+    global _verify_depth
+    _verify_depth += 1
+    try:
+        yield
+    finally:
+        _verify_depth -= 1
+
+
+def _plain_layer(layer) -> bool:
+    return not getattr(layer, "use_intel_amx_backend", False) and not hasattr(layer, "set_lora")
+
+
+def linear_method_apply(original, self, layer, x, bias=None):
+    """Around UnquantizedLinearMethod.apply."""
+    if _verify_depth and _plain_layer(layer) and takes_fast_path(x, layer.weight):
+        return linear(x, layer.weight, bias)
+    return original(self, layer, x, bias)
+
+
+def compute_lm_head(original, self, hidden_states, lm_head, embedding_bias=None, **kw):
+    """Around LogitsProcessor._compute_lm_head (an unquantized lm_head without bias only)."""
+    plain = type(getattr(lm_head, "quant_method", None)).__name__ in ("NoneType", "UnquantizedEmbeddingMethod",
+                                                                      "UnquantizedLinearMethod")
+    if (_verify_depth and plain and embedding_bias is None and _plain_layer(lm_head) and hasattr(lm_head, "weight")
+            and takes_fast_path(hidden_states, lm_head.weight)):
+        return linear(hidden_states, lm_head.weight)
+    return original(self, hidden_states, lm_head, embedding_bias, **kw)
