@@ -287,8 +287,9 @@ def bench(args) -> dict:
             results["baseline"] = bench_server(url, work, args.concurrency, sampling, None, "baseline")
         if os.path.exists(stats_file):
             os.unlink(stats_file)
-        spec = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", args.draft,
-                "--speculative-num-draft-tokens", str(args.block_size)]
+        spec = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", args.draft]
+        if args.num_draft_tokens:
+            spec += ["--speculative-num-draft-tokens", str(args.num_draft_tokens)]
         with sglang_server(args.target, *common, *spec, env={"SGLANG_DFLASH_STATS_FILE": stats_file},
                            log_path=str(out / "dflash-server.log"), timeout=900) as url:
             results["dflash"] = bench_server(url, work, args.concurrency, sampling, stats_file, "DFLASH")
@@ -341,7 +342,8 @@ def add_arguments(p) -> None:
     p.add_argument("--target", default=None, help="target model (for --launch, and its tokenizer)")
     p.add_argument("--tokenizer", default=None, help="tokenizer when --target is not given")
     p.add_argument("--draft", default=None)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="the DFLASH server's verify window, 2 … the draft's block size (default: the block size)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--server-arg", action="append", default=[], help="an extra launch_server argument (repeatable)")
     p.add_argument("--out", default="bench-results")
