@@ -66,10 +66,13 @@ def linear_method_apply(original, self, layer, x, bias=None):
 
 
 def compute_lm_head(original, self, hidden_states, lm_head, embedding_bias=None, **kw):
-    """Around LogitsProcessor._compute_lm_head (an unquantized lm_head without bias only)."""
-    plain = type(getattr(lm_head, "quant_method", None)).__name__ in ("NoneType", "UnquantizedEmbeddingMethod",
-                                                                      "UnquantizedLinearMethod")
-    if (_verify_depth and plain and embedding_bias is None and _plain_layer(lm_head) and hasattr(lm_head, "weight")
-            and takes_fast_path(hidden_states, lm_head.weight)):
+    """Around LogitsProcessor._compute_lm_head: where SGLang would take its plain matmul (no quantized
+    lm_head kernel, by SGLang's own rule; no bias; not the RL on-policy bf16 product)."""
+    from sglang.srt.layers.logits_processor import should_apply_lm_head_quant_method
+
+    plain = (hasattr(lm_head, "weight") and embedding_bias is None and _plain_layer(lm_head)
+             and getattr(self, "rl_on_policy_target", None) is None
+             and not should_apply_lm_head_quant_method(lm_head, getattr(lm_head, "quant_method", None)))
+    if _verify_depth and plain and takes_fast_path(hidden_states, lm_head.weight):
         return linear(hidden_states, lm_head.weight)
     return original(self, hidden_states, lm_head, embedding_bias, **kw)
