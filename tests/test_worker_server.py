@@ -49,6 +49,16 @@ def assert_same(outs: list[dict], refs: list[dict], what: str):
         assert out["output_ids"] == ref["output_ids"], f"{what}: request {i} differs"
 
 
+def oracle_env(sequences: Path) -> dict:
+    """A server's environment for tests/oracle_plugin, proposing the continuations in the sequences file."""
+    return {"PYTHONPATH": str(ORACLE_PLUGIN), "SGLANG_DFLASH_ORACLE": str(sequences)}
+
+
+def first_tokens(refs: list[dict], n: int) -> list[dict]:
+    """The baseline's outputs cut to their first n tokens (greedy: what max_new_tokens=n gives)."""
+    return [dict(ref, output_ids=ref["output_ids"][:n]) for ref in refs]
+
+
 def tau(out: dict) -> float:
     meta = out["meta_info"]
     return meta["completion_tokens"] / meta["spec_verify_ct"]
@@ -94,8 +104,7 @@ def oracle_server(smol, smol_base_url, tmp_path_factory):
     folder = tmp_path_factory.mktemp("oracle")
     file = folder / "sequences.json"
     file.write_text(json.dumps(rows))
-    env = {"PYTHONPATH": str(ORACLE_PLUGIN), "SGLANG_DFLASH_ORACLE": str(file),
-           "SGLANG_DFLASH_STATS_FILE": str(folder / "stats.json"),  # read by the benchmark test
+    env = {**oracle_env(file), "SGLANG_DFLASH_STATS_FILE": str(folder / "stats.json"),  # read by the benchmark test
            "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}  # a KV leak, seen when idle, stops the server
     with sglang_server(smol["path"], *dflash_args(smol["draft"]), env=env) as url:
         yield {"url": url, "stats": folder / "stats.json", "rules": list(zip(rules, rule_refs)), "sequences": file}
@@ -434,14 +443,14 @@ def test_verify_window_shorter_than_the_block(smol, smol_base_url, oracle_server
     """--speculative-num-draft-tokens 4 with a 16-token draft: each step verifies the bonus and the
     draft's first 3 proposals (the draft still fills its whole block). Output equals the baseline's;
     with oracle proposals every step commits exactly 4 tokens."""
-    env = {"PYTHONPATH": str(ORACLE_PLUGIN), "SGLANG_DFLASH_ORACLE": str(oracle_server["sequences"])}
+    env = oracle_env(oracle_server["sequences"])
     oracle, plain = smol["inputs"][:4], smol["inputs"][36:40]
     with sglang_server(smol["path"], *dflash_args(smol["draft"], window=4), env=env) as url:
         outs = run_all(url, oracle + plain, 8, max_new_tokens=64)
         bodies = [{"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 24},
                    "return_logprob": True, "top_logprobs_num": 2} for ids in (oracle[0], plain[0])]
         logprobs = [requests.post(url + "/generate", timeout=600, json=body).json() for body in bodies]
-    refs = [dict(ref, output_ids=ref["output_ids"][:64]) for ref in smol["base"][:4] + smol["base"][36:40]]
+    refs = first_tokens(smol["base"][:4] + smol["base"][36:40], 64)
     assert_same(outs, refs, "verify window 4")
     for out in outs[:4]:
         if out["meta_info"]["finish_reason"]["type"] == "length":  # 1 token from prefill, 63 = 15 × 4 + 3
@@ -460,7 +469,7 @@ def test_tensor_parallel_2_equals_1(smol, oracle_server):
     the oracle prompts still accept whole blocks (draft, verify and commit agree across the ranks); a
     sampled request in the same batches completes (the ranks agree on every random draw, or the next
     collective would hang). 32 tokens per prompt: decoding over gloo is slow."""
-    env = {"PYTHONPATH": str(ORACLE_PLUGIN), "SGLANG_DFLASH_ORACLE": str(oracle_server["sequences"])}
+    env = oracle_env(oracle_server["sequences"])
     oracle, plain = smol["inputs"][:4], smol["inputs"][30:34]  # proposals: the baseline's own output | random
     with sglang_server(smol["path"], *dflash_args(smol["draft"], "--tp", "2"), env=env, timeout=600) as url:
         assert requests.get(url + "/server_info", timeout=30).json()["tp_size"] == 2
@@ -469,7 +478,7 @@ def test_tensor_parallel_2_equals_1(smol, oracle_server):
                                   ignore_eos=True)
             outs = run_all(url, oracle + plain, 8, max_new_tokens=32)
             sampled = sampled.result()
-    refs = [dict(ref, output_ids=ref["output_ids"][:32]) for ref in smol["base"][:4] + smol["base"][30:34]]
+    refs = first_tokens(smol["base"][:4] + smol["base"][30:34], 32)
     assert_same(outs, refs, "tp 2")
     for out in outs[:4]:
         if out["meta_info"]["finish_reason"]["type"] == "length":  # 1 token from prefill, 31 = 16 + 15
