@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-url", default=None)
     p.add_argument("--gen-dtype", default="bfloat16")
     p.add_argument("--gen-concurrency", type=int, default=32,
-                   help="requests in flight (sglang), or prompts per generate call (hf, on a GPU)")
+                   help="requests in flight (sglang), or prompts per batch (hf)")
     p.add_argument("--feature-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--num-layers", type=int, default=3)
     p.add_argument("--block-size", type=int, default=16)

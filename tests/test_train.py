@@ -55,6 +55,36 @@ def test_accepted_prefix():
     assert accepted_prefix(pred, labels).tolist() == [2, 0, 2]
 
 
+def test_batched_greedy_equals_transformers_generate(tiny_qwen3_path, prompts):
+    """Left-padded prompts of different lengths, rows that stop at different steps (so finished rows are
+    dropped from the batch mid-way) and rows that run to max_new_tokens: each output equals Transformers'
+    own greedy generate() of that prompt alone, through its first stop token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sglang_dflash.train.batched_greedy import greedy_batch
+    from sglang_dflash.train.data import chat_ids
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_path, dtype=torch.float32).eval()
+    ids = [chat_ids(tok, p["prompt"])[: 20 + 7 * i] for i, p in enumerate(prompts[:8])]
+    assert len({len(x) for x in ids}) > 4  # really different widths
+
+    def alone(x, n, stops):
+        with torch.no_grad():
+            g = model.generate(torch.tensor([x]), attention_mask=torch.ones(1, len(x), dtype=torch.long),
+                               max_new_tokens=n, do_sample=False, eos_token_id=stops or None, pad_token_id=0)
+        g = g[0, len(x):].tolist()
+        return g[: next((i + 1 for i, t in enumerate(g) if t in stops), len(g))]
+
+    free = [alone(x, 24, []) for x in ids]
+    stops = [free[0][2], free[3][9], free[5][15]]  # tokens that end some rows early
+    want = [alone(x, 24, stops) for x in ids]
+    lengths = sorted(map(len, want))
+    assert lengths[0] < 24 and lengths[-1] == 24 and len(set(lengths)) > 2, lengths
+    assert greedy_batch(model, ids, 24, stops, pad=0) == want
+    assert greedy_batch(model, ids, 24, [], pad=0) == free
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tiny_qwen3_path, prompts, tmp_path_factory):
     """A short real recipe run on tiny-qwen3 (Transformers regeneration, float32 features), paused halfway
@@ -70,7 +100,7 @@ def tiny_run(tiny_qwen3_path, prompts, tmp_path_factory):
         cfg = FitConfig(steps=600, seqs_per_step=2, blocks_per_seq=8, lr=2e-3, warmup=10, heldout=0, eval_every=1000,
                         save_every=1000, **fit)
         return Recipe(target=str(tiny_qwen3_path), prompts=[str(file)], out=str(base / name), work=str(base / ("work-" + name)),
-                      max_new_tokens=48, generator="hf", feature_dtype="float32", num_layers=1, block_size=8,
+                      max_new_tokens=48, generator="hf", gen_dtype="float32", feature_dtype="float32", num_layers=1, block_size=8,
                       mask_token_id=151669, target_layer_ids=[1, 2], init="random", fit=cfg)
 
     straight = recipe("straight")
@@ -129,3 +159,39 @@ def test_trained_checkpoint_loads_in_the_serving_path(tiny_run, tiny_qwen3_path)
     model = DFlashDraftModel.from_pretrained(out, dtype=torch.float32)
     PagedDraft(model, num_slots=64, device="cpu", dtype=torch.float32)
     assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+
+
+def test_the_export_is_the_best_heldout_step(tiny_run, tiny_qwen3_path, tmp_path, monkeypatch):
+    """With held-out sequences, the published-format draft is the weights of the step with the best held-out
+    τ, not the last step's (a long run on little data overfits). The held-out figures are scripted here
+    (tiny-qwen3's random text does not generalise to unseen sequences, so its real figure stays 1.0)."""
+    from safetensors.torch import load_file
+
+    from sglang_dflash.models.reference import DFlashDraftModel
+    from sglang_dflash.train import trainer
+    from sglang_dflash.train.features import FeatureCache
+    from sglang_dflash.train.recipe import load_target
+
+    seqs = FeatureCache(tiny_run["base"] / "work-straight" / "features").load()
+    target, _ = load_target(str(tiny_qwen3_path), torch.float32)
+    cfg = DFlashDraftModel.from_pretrained(tiny_run["base"] / "straight").config
+    frozen = trainer.Frozen(target.get_input_embeddings().weight, target.get_output_embeddings().weight,
+                            trainer.training_vocab(seqs, cfg.vocab_size))
+    figures = iter([1.2, 1.5, 1.4, 1.5, 1.1])  # the best first reached at the second evaluation (step 20)
+    snapshots = {}
+
+    def scripted(draft, *args, **kwargs):
+        snapshots[len(snapshots) * 10 + 10] = {k: v.detach().to(torch.bfloat16).clone() for k, v in draft.state_dict().items()}
+        return next(figures), [0.0]
+
+    monkeypatch.setattr(trainer, "heldout_tau", scripted)
+    fit_cfg = trainer.FitConfig(steps=50, seqs_per_step=2, blocks_per_seq=8, lr=2e-3, warmup=5, heldout=3, eval_every=10,
+                                save_every=25)
+    trainer.fit(DFlashDraftModel.random(cfg, seed=0), frozen, seqs, fit_cfg, tmp_path / "work", tmp_path / "out",
+                progress=False)
+    exported = json.loads((tmp_path / "out" / "training_state.json").read_text())
+    assert (exported["step"], exported["heldout_tau"], exported["best_step"]) == (20, 1.5, 20)
+    weights = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert all(torch.equal(weights[k], snapshots[20][k]) for k in weights)
+    assert not all(torch.equal(weights[k], snapshots[50][k]) for k in weights)
+    assert torch.load(tmp_path / "work" / "checkpoint.pt", weights_only=False)["step"] == 50  # resumes from the last

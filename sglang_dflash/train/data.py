@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Iterable
 
 import requests
-import torch
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
@@ -89,30 +88,25 @@ def regenerate_with_server(url: str, tokenizer, prompts: list[dict], out: str | 
     return out
 
 
-@torch.no_grad()
 def regenerate_with_hf(model, tokenizer, prompts: list[dict], out: str | Path, max_new_tokens: int,
-                       progress: bool = True, batch_size: int = 1) -> Path:
-    """Greedy responses from a Transformers model (on its device), batch_size prompts per generate
-    call (left-padded; 1 on a CPU, hundreds on a GPU), appended to out as they finish."""
+                       progress: bool = True, batch_size: int = 64) -> Path:
+    """Greedy responses from a Transformers model (on its device), batch_size prompts at a time in the
+    prompt set's order (batched_greedy.py: ~250 tok/s for SmolLM2 in bf16 at 128 on the project's
+    2-core CPU, 3x SGLang's CPU server), appended to out batch by batch."""
+    from sglang_dflash.train.batched_greedy import greedy_batch
+
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     todo = missing_responses(prompts, out)
     stops = model.generation_config.eos_token_id
     stops = [stops] if isinstance(stops, int) else list(stops or [])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
-    device = next(model.parameters()).device
     batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
     with open(out, "a") as f:
         for batch in _progress(batches, len(batches), "regenerate", progress):
             ids = [chat_ids(tokenizer, p["prompt"]) for p in batch]
-            width = max(map(len, ids))
-            inputs = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device)
-            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
-            gen = model.generate(inputs, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=stops, pad_token_id=pad)[:, width:].tolist()
-            for p, x, g in zip(batch, ids, gen):
-                end = next((i + 1 for i, t in enumerate(g) if t in stops), len(g))  # through the first stop token
-                f.write(json.dumps({"id": p["id"], "prompt_ids": x, "output_ids": g[:end]}) + "\n")
+            for p, x, g in zip(batch, ids, greedy_batch(model, ids, max_new_tokens, stops, pad)):
+                f.write(json.dumps({"id": p["id"], "prompt_ids": x, "output_ids": g}) + "\n")
             f.flush()
     return out
 

@@ -52,13 +52,13 @@ def load_target(path: str, dtype: torch.dtype):
     return model, tok
 
 
-def regenerate(r: Recipe, tok, target_fp32=None) -> list[dict]:
+def regenerate(r: Recipe, tok, target=None) -> list[dict]:
     prompts = [p for f in r.prompts for p in data.read_prompts(f, r.num_prompts)]
     out = Path(r.work) / "responses.jsonl"
-    if r.generator == "hf":  # on a GPU gen_concurrency prompts per generate call, on a CPU one at a time
-        model = target_fp32 if target_fp32 is not None else load_target(r.target, torch.float32)[0].to(r.device)
-        data.regenerate_with_hf(model, tok, prompts, out, r.max_new_tokens,
-                                batch_size=1 if r.device == "cpu" else r.gen_concurrency)
+    if r.generator == "hf":  # batches of gen_concurrency prompts, in gen_dtype
+        dtype = getattr(torch, r.gen_dtype)
+        model = target if target is not None and target.dtype == dtype else load_target(r.target, dtype)[0].to(r.device)
+        data.regenerate_with_hf(model, tok, prompts, out, r.max_new_tokens, batch_size=r.gen_concurrency)
     elif r.server_url:
         data.regenerate_with_server(r.server_url, tok, prompts, out, r.max_new_tokens, r.gen_concurrency)
     elif data.missing_responses(prompts, out):
@@ -100,7 +100,7 @@ def run(r: Recipe) -> dict:
     target.to(r.device)  # regeneration (hf) and the feature cache run on the training device
     cfg = draft_config(r, target, tok)
     cfg.check_target(target.config)
-    responses = regenerate(r, tok, target if r.feature_dtype == "float32" else None)
+    responses = regenerate(r, tok, target)
     cache = build_feature_cache(target, responses, cfg.target_layer_ids, work / "features")
     seqs = cache.load()
 

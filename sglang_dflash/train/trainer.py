@@ -9,9 +9,11 @@ target actually emits are a few thousand). The shared embedding and lm_head are
 frozen and not part of the draft checkpoint.
 
 Everything needed to resume (weights, AdamW state, step, RNG) is saved in
-`work/checkpoint.pt` every `save_every` steps; the published-format draft is
-exported to `out` at the same time. Held-out sequences give a teacher-forced
-acceptance figure (greedy, full vocabulary): τ_est = 1 + mean accepted drafts.
+`work/checkpoint.pt` every `save_every` steps. Held-out sequences give a teacher-forced
+acceptance figure (greedy, full vocabulary) every `eval_every` steps: τ_est = 1 + mean
+accepted drafts; the published-format draft is exported to `out` whenever τ_est is the best
+so far (more steps on little data overfit: the held-out figure peaks, then falls). Without
+held-out sequences it is exported at every checkpoint.
 """
 
 from __future__ import annotations
@@ -187,8 +189,13 @@ def fit(draft: DFlashDraftModel, frozen: Frozen, seqs: list[Sequence], cfg: FitC
             with amp:
                 metrics["heldout_tau"], metrics["heldout_accept"] = heldout_tau(draft, frozen, held, device)
             draft.train()
+            if metrics["heldout_tau"] > metrics.get("best_heldout_tau", 0.0):  # keep the best export
+                metrics.update(best_heldout_tau=metrics["heldout_tau"], best_step=step)
+                export(draft, metrics, out)
         if step % cfg.save_every == 0 or step == end:
-            save_checkpoint(draft, opt, step, metrics, ckpt, out)
+            save_checkpoint(draft, opt, step, metrics, ckpt)
+            if not held:
+                export(draft, metrics, out)
         log.write(json.dumps(metrics) + "\n")
         log.flush()
         if bar:
@@ -201,13 +208,17 @@ def fit(draft: DFlashDraftModel, frozen: Frozen, seqs: list[Sequence], cfg: FitC
     return metrics
 
 
-def save_checkpoint(draft, opt, step, metrics, ckpt: Path, out: Path) -> None:
+def save_checkpoint(draft, opt, step, metrics, ckpt: Path) -> None:
     tmp = ckpt.with_suffix(".tmp")
     torch.save({"model": draft.state_dict(), "optimizer": opt.state_dict(), "step": step, "metrics": metrics}, tmp)
     tmp.replace(ckpt)
-    export = DFlashDraftModel(draft.config)
-    export.load_state_dict({k: v.detach().to(torch.bfloat16) for k, v in draft.state_dict().items()}, assign=True)
-    export.save_pretrained(out)
+
+
+def export(draft, metrics, out: Path) -> None:
+    """The draft in the published format (bf16) with the metrics of the step it was taken at."""
+    model = DFlashDraftModel(draft.config)
+    model.load_state_dict({k: v.detach().to(torch.bfloat16) for k, v in draft.state_dict().items()}, assign=True)
+    model.save_pretrained(out)
     (out / "training_state.json").write_text(json.dumps(metrics, indent=2) + "\n")
 
 
