@@ -137,6 +137,38 @@ def test_training_lowers_the_loss_and_raises_tau(tiny_run, tiny_qwen3_path):
     assert len(after["accept_rate_by_row"]) == 7 and after["accept_rate_by_row"] == sorted(after["accept_rate_by_row"], reverse=True)
 
 
+def test_replayed_acceptance_equals_real_decoding(tiny_run, tiny_qwen3_path, tmp_path):
+    """eval-draft's replay (greedy steps replayed from the target's batched greedy continuation) gives,
+    prompt by prompt, the tokens and verify steps of real speculative decoding, with a half-trained draft
+    (150 steps) whose steps accept anything from none to a whole block (the fully trained one accepts
+    whole blocks only)."""
+    from sglang_dflash.models.reference import DFlashDraftModel
+    from sglang_dflash.train import trainer
+    from sglang_dflash.train.data import read_prompts
+    from sglang_dflash.train.evaluate import eval_draft
+    from sglang_dflash.train.features import FeatureCache
+    from sglang_dflash.train.recipe import load_target
+
+    target, tok = load_target(str(tiny_qwen3_path), torch.float32)
+    seqs = FeatureCache(tiny_run["base"] / "work-straight" / "features").load()
+    cfg = DFlashDraftModel.from_pretrained(tiny_run["base"] / "straight").config
+    frozen = trainer.Frozen(target.get_input_embeddings().weight, target.get_output_embeddings().weight,
+                            trainer.training_vocab(seqs, cfg.vocab_size))
+    draft = DFlashDraftModel.random(cfg, seed=0)
+    trainer.fit(draft, frozen, seqs, trainer.FitConfig(steps=600, stop_at=150, seqs_per_step=2, blocks_per_seq=8, lr=2e-3,
+                                                        warmup=10, heldout=0, save_every=1000), tmp_path / "work",
+                tmp_path / "out", progress=False)
+    prompts = read_prompts(tiny_run["file"], 8)
+    decode = eval_draft(target, tok, draft, prompts, max_new_tokens=40, progress=False, method="decode")
+    replay = eval_draft(target, tok, draft, prompts, max_new_tokens=40, progress=False, method="replay")
+    print(f"τ decode {decode['tau']:.3f}, replay {replay['tau']:.3f}; acceptance by row {decode['accept_rate_by_row']}")
+    assert 1.2 < decode["tau"] < 6 and 0 < decode["accept_rate_by_row"][2] < decode["accept_rate_by_row"][0] < 1
+    assert replay["per_prompt"] == decode["per_prompt"]
+    assert replay["accept_rate_by_row"] == decode["accept_rate_by_row"]
+    with pytest.raises(ValueError, match="greedy acceptance only"):
+        eval_draft(target, tok, draft, prompts, method="replay", temperature=1.0)
+
+
 def test_a_resumed_run_continues_where_it_paused(tiny_run):
     assert tiny_run["first"]["step"] == 300 and tiny_run["resumed"]["step"] == 600
     a = (tiny_run["base"] / "straight" / "model.safetensors").read_bytes()
