@@ -20,5 +20,5 @@ exec "$ROOT/.venv/bin/sglang-dflash" train \
   --generator sglang --gen-dtype float32 --gen-concurrency 48 --feature-dtype float32 \
   --mask-token-id 16 --num-layers 3 --block-size 16 --init target \
   --steps 6000 --lr 5e-4 --warmup 100 --seqs-per-step 4 --blocks-per-seq 32 --gamma 7 --kl-weight 1.0 \
-  --heldout 32 --eval-every 250 --save-every 250 \
+  --heldout 32 --eval-every 250 --save-every 250 --keep-best false \
   --out "$ROOT/launch/drafts/SmolLM2-135M-Instruct-DFlash" --work "$HOME_DIR/train/smollm2" "$@"

@@ -13,7 +13,7 @@ Everything needed to resume (weights, AdamW state, step, RNG) is saved in
 acceptance figure (greedy, full vocabulary) every `eval_every` steps: τ_est = 1 + mean
 accepted drafts; the published-format draft is exported to `out` whenever τ_est is the best
 so far (more steps on little data overfit: the held-out figure peaks, then falls). Without
-held-out sequences it is exported at every checkpoint.
+held-out sequences, or with keep_best off, it is exported at every checkpoint.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class FitConfig:
     seed: int = 0
     autocast: bool = True  # bf16 autocast (CPU or CUDA)
     stop_at: int = 0  # when > 0, pause after this step (checkpointed; the same command resumes)
+    keep_best: bool = True  # export the step with the best held-out τ (False: every checkpoint's step)
 
 
 def lr_at(step: int, cfg: FitConfig) -> float:
@@ -189,12 +190,13 @@ def fit(draft: DFlashDraftModel, frozen: Frozen, seqs: list[Sequence], cfg: FitC
             with amp:
                 metrics["heldout_tau"], metrics["heldout_accept"] = heldout_tau(draft, frozen, held, device)
             draft.train()
-            if metrics["heldout_tau"] > metrics.get("best_heldout_tau", 0.0):  # keep the best export
+            if metrics["heldout_tau"] > metrics.get("best_heldout_tau", 0.0):
                 metrics.update(best_heldout_tau=metrics["heldout_tau"], best_step=step)
-                export(draft, metrics, out)
+                if cfg.keep_best:
+                    export(draft, metrics, out)
         if step % cfg.save_every == 0 or step == end:
             save_checkpoint(draft, opt, step, metrics, ckpt)
-            if not held:
+            if not (held and cfg.keep_best):
                 export(draft, metrics, out)
         log.write(json.dumps(metrics) + "\n")
         log.flush()
