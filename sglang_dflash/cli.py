@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="0: greedy acceptance; > 0: rejection sampling (seeded, reproducible)")
     p.add_argument("--method", choices=["decode", "replay"], default=None,
                    help="decode: real speculative decoding, prompt by prompt; replay (greedy only, the default at "
-                        "temperature 0, ~8x faster): the same steps replayed from the target's batched greedy "
+                        "temperature 0, faster): the same steps replayed from the target's batched greedy "
                         "continuation (train/evaluate.py)")
     p.add_argument("--json", default=None, help="write the full report here")
     p.add_argument("--device", default="cpu")

@@ -16,7 +16,7 @@ Prompts are left-padded to one width per batch; a row's positions start at 0 at 
 real token, and its padding columns are masked out of every attention. Rows that finished
 (a stop token or max_new tokens) are dropped from the batch once a quarter of it has finished.
 
-    greedy_generate(model, prompts [list of token-id lists], max_new_tokens, stops) -> outputs
+    greedy_batch(model, prompts [token-id lists], max_new_tokens, stops, pad) -> each prompt's output ids
 """
 
 from __future__ import annotations

@@ -4,15 +4,15 @@ decoding (the Transformers backend, float32 by default), not on teacher-forced r
 Two methods, the same figures:
   decode  real speculative decoding, one prompt at a time (generate.spec_generate): greedy, or
           rejection sampling at a temperature.
-  replay  greedy only, about 8x faster on a CPU. Greedy speculative decoding outputs the target's
-          own greedy continuation, so its steps can be replayed from that continuation: the
-          target's greedy tokens (batched, train/batched_greedy.py, B - 1 tokens past the end
-          so that the last block is judged as decoding judges it), one target forward for the
-          features, then the same walk as decoding: a block [token at start, MASK, ...] over the
-          context before start, its drafts accepted while they equal the continuation, start
-          advances by accepted + 1. The draft sees what it sees in decoding up to float rounding
+  replay  greedy only, faster (the target decodes many prompts at once). Greedy speculative
+          decoding outputs the target's own greedy continuation, so its steps can be replayed
+          from that continuation: the target's greedy tokens (batched, train/batched_greedy.py,
+          B - 1 tokens past the end so that the last block is judged as decoding judges it), one
+          target forward for the features, then the same walk as decoding: a block [token at
+          start, MASK, ...] over the context before start, its drafts accepted while they equal
+          the continuation, start advances by accepted + 1. The draft sees what it sees in decoding up to float rounding
           (features of one forward against those of incremental verify forwards), so the two
-          methods agree step for step except where the draft's own logits are a near tie
+          methods agree step for step except at a near tie of the draft's or the target's logits
           (test_train checks them against each other).
 
 τ = generated tokens after the first / verify steps; the acceptance rate at block row k
