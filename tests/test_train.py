@@ -168,6 +168,27 @@ def test_replayed_acceptance_equals_real_decoding(tiny_run, tiny_qwen3_path, tmp
     with pytest.raises(ValueError, match="greedy acceptance only"):
         eval_draft(target, tok, draft, prompts, method="replay", temperature=1.0)
 
+    # the trainer's held-out figure: the same walk over the cached (bf16) features, up to block_size - 1 tokens
+    # before each response's end; equal to the walk over the target's own float32 features but for rounding
+    from sglang_dflash.train.evaluate import replay_steps
+
+    B = cfg.block_size
+    cached, fresh = [], []
+    for seq in seqs[:8]:
+        length = seq.tokens.numel() - seq.prompt_len - (B - 1)
+        cached.append(evaluate_walk(draft, frozen, seq, length))
+        fresh.append(replay_steps(target, draft, seq.tokens, seq.prompt_len, length))
+    print("held-out walk over cached features:", cached)
+    assert sum(a == b for a, b in zip(cached, fresh)) >= 6
+    assert math.isclose(trainer.heldout_decoding_tau(draft, frozen, seqs[:8], "cpu"),
+                        sum(map(sum, cached)) / sum(map(len, cached)))
+
+
+def evaluate_walk(draft, frozen, seq, length):
+    from sglang_dflash.train.evaluate import replay_walk
+
+    return replay_walk(draft, lambda ids: frozen.embed[ids], frozen.head, seq.tokens, seq.context, seq.prompt_len, length)
+
 
 def test_a_resumed_run_continues_where_it_paused(tiny_run):
     assert tiny_run["first"]["step"] == 300 and tiny_run["resumed"]["step"] == 600
@@ -195,8 +216,8 @@ def test_trained_checkpoint_loads_in_the_serving_path(tiny_run, tiny_qwen3_path)
 
 def test_the_export_is_the_best_heldout_step(tiny_run, tiny_qwen3_path, tmp_path, monkeypatch):
     """With held-out sequences, the published-format draft is the weights of the step with the best held-out
-    τ, not the last step's (a long run on little data overfits). The held-out figures are scripted here
-    (tiny-qwen3's random text does not generalise to unseen sequences, so its real figure stays 1.0)."""
+    decoding τ, not the last step's (a long run on little data overfits). The held-out figures are scripted
+    here (tiny-qwen3's random text does not generalise to unseen sequences, so its real figure stays 1.0)."""
     from safetensors.torch import load_file
 
     from sglang_dflash.models.reference import DFlashDraftModel
@@ -214,15 +235,15 @@ def test_the_export_is_the_best_heldout_step(tiny_run, tiny_qwen3_path, tmp_path
 
     def scripted(draft, *args, **kwargs):
         snapshots[len(snapshots) * 10 + 10] = {k: v.detach().to(torch.bfloat16).clone() for k, v in draft.state_dict().items()}
-        return next(figures), [0.0]
+        return next(figures)
 
-    monkeypatch.setattr(trainer, "heldout_tau", scripted)
+    monkeypatch.setattr(trainer, "heldout_decoding_tau", scripted)
     fit_cfg = trainer.FitConfig(steps=50, seqs_per_step=2, blocks_per_seq=8, lr=2e-3, warmup=5, heldout=3, eval_every=10,
                                 save_every=25)
     trainer.fit(DFlashDraftModel.random(cfg, seed=0), frozen, seqs, fit_cfg, tmp_path / "work", tmp_path / "out",
                 progress=False)
     exported = json.loads((tmp_path / "out" / "training_state.json").read_text())
-    assert (exported["step"], exported["heldout_tau"], exported["best_step"]) == (20, 1.5, 20)
+    assert (exported["step"], exported["heldout_decoding_tau"], exported["best_step"]) == (20, 1.5, 20)
     weights = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert all(torch.equal(weights[k], snapshots[20][k]) for k in weights)
     assert not all(torch.equal(weights[k], snapshots[50][k]) for k in weights)

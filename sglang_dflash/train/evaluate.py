@@ -84,21 +84,28 @@ def replay_steps(target, draft, seq: torch.Tensor, prompt_len: int, length: int)
     """The tokens committed by each verify step of greedy speculative decoding whose output is
     seq[prompt_len : prompt_len + length]; seq [T] continues the target's greedy tokens at least
     block_size - 1 past that (the drafts of the last block are judged against them)."""
+    out = target(input_ids=seq[None], output_hidden_states=True, logits_to_keep=1)
+    features = target_features(out.hidden_states, draft.config.target_layer_ids)[0]  # [T, F]
+    return replay_walk(draft, target.get_input_embeddings(), target.get_output_embeddings().weight, seq, features,
+                       prompt_len, length)
+
+
+@torch.no_grad()
+def replay_walk(draft, embed, head: torch.Tensor, seq: torch.Tensor, features: torch.Tensor, prompt_len: int,
+                length: int) -> list[int]:
+    """The walk of greedy decoding over a known continuation: embed the target's embedding (ids [n] ->
+    [n, H]), head [V, H] its lm_head weight, seq [T] tokens, features [T, F] the target's features of them."""
     cfg = draft.config
     B, device, dtype = cfg.block_size, seq.device, next(draft.parameters()).dtype
-    out = target(input_ids=seq[None], output_hidden_states=True, logits_to_keep=1)
-    T = seq.numel()
-    ctx = draft.context_kv(target_features(out.hidden_states, cfg.target_layer_ids).to(dtype),
-                           torch.arange(T, device=device)[None])
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    ctx = draft.context_kv(features[None].to(device, dtype), torch.arange(seq.numel(), device=device)[None])
     steps, start, generated = [], prompt_len, 1  # the prefill gives the first token
     while generated < length:
-        ids = torch.full((1, B), cfg.mask_token_id, dtype=torch.long, device=device)
-        ids[0, 0] = seq[start]
+        ids = torch.full((B,), cfg.mask_token_id, dtype=torch.long, device=device)
+        ids[0] = seq[start]
         positions = torch.arange(start, start + B, device=device)[None]
         context = ContextCache([k[:, :, :start] for k in ctx.keys], [v[:, :, :start] for v in ctx.values])
-        hidden = draft(embed(ids).to(dtype), positions, context)[0, 1:]  # [B-1, H]
-        drafts = gemm.linear(hidden.to(head.weight.dtype), head.weight).argmax(-1)  # [B-1]
+        hidden = draft(embed(ids)[None].to(dtype), positions, context)[0, 1:]  # [B-1, H]
+        drafts = gemm.linear(hidden.to(head.dtype), head).argmax(-1)  # [B-1]
         truth = seq[start + 1 : start + B]
         match = (drafts[: truth.numel()] == truth).long()
         n = int(match.cumprod(0).sum()) + 1  # accepted drafts + the target's own token

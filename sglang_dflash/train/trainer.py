@@ -9,9 +9,11 @@ target actually emits are a few thousand). The shared embedding and lm_head are
 frozen and not part of the draft checkpoint.
 
 Everything needed to resume (weights, AdamW state, step, RNG) is saved in
-`work/checkpoint.pt` every `save_every` steps. Held-out sequences give a teacher-forced
-acceptance figure (greedy, full vocabulary) every `eval_every` steps: τ_est = 1 + mean
-accepted drafts; the published-format draft is exported to `out` whenever τ_est is the best
+`work/checkpoint.pt` every `save_every` steps. Every `eval_every` steps the held-out sequences
+give two acceptance figures (greedy, full vocabulary): teacher-forced on random anchors,
+τ_est = 1 + mean accepted drafts (heldout_tau), and the τ of greedy decoding replayed over them
+(heldout_decoding_tau, what eval-draft measures; lower: decoding spends more blocks where the
+draft fails). The published-format draft is exported to `out` whenever the decoding τ is the best
 so far (more steps on little data overfit: the held-out figure peaks, then falls). Without
 held-out sequences, or with keep_best off, it is exported at every checkpoint.
 """
@@ -130,6 +132,24 @@ def heldout_tau(draft, frozen: Frozen, seqs: list[Sequence], device, blocks_per_
     return expected_tau(acc), per_row
 
 
+@torch.no_grad()
+def heldout_decoding_tau(draft, frozen: Frozen, seqs: list[Sequence], device) -> float:
+    """τ of greedy speculative decoding over the held-out responses, replayed from their cached features
+    (train/evaluate.py): what eval-draft measures, on each response but its last block_size - 1 tokens
+    (whose blocks would be judged against tokens past the cached end)."""
+    from sglang_dflash.train.evaluate import replay_walk
+
+    B = draft.config.block_size
+    embed, head = frozen.embed.to(device), frozen.head.to(device)
+    steps: list[int] = []
+    for seq in seqs:
+        length = seq.tokens.numel() - seq.prompt_len - (B - 1)
+        if length > 1:
+            steps += replay_walk(draft, lambda ids: embed[ids], head, seq.tokens.to(device), seq.context,
+                                 seq.prompt_len, length)
+    return sum(steps) / max(len(steps), 1)
+
+
 def fit(draft: DFlashDraftModel, frozen: Frozen, seqs: list[Sequence], cfg: FitConfig, work: str | Path,
         out: str | Path, device="cpu", progress: bool = True) -> dict:
     """Train draft in place (resuming from work/checkpoint.pt) and export it to out -> the last metrics."""
@@ -189,9 +209,10 @@ def fit(draft: DFlashDraftModel, frozen: Frozen, seqs: list[Sequence], cfg: FitC
             draft.eval()
             with amp:
                 metrics["heldout_tau"], metrics["heldout_accept"] = heldout_tau(draft, frozen, held, device)
+                metrics["heldout_decoding_tau"] = heldout_decoding_tau(draft, frozen, held, device)
             draft.train()
-            if metrics["heldout_tau"] > metrics.get("best_heldout_tau", 0.0):
-                metrics.update(best_heldout_tau=metrics["heldout_tau"], best_step=step)
+            if metrics["heldout_decoding_tau"] > metrics.get("best_heldout_decoding_tau", 0.0):
+                metrics.update(best_heldout_decoding_tau=metrics["heldout_decoding_tau"], best_step=step)
                 if cfg.keep_best:
                     export(draft, metrics, out)
         if step % cfg.save_every == 0 or step == end:
@@ -202,7 +223,7 @@ def fit(draft: DFlashDraftModel, frozen: Frozen, seqs: list[Sequence], cfg: FitC
         log.flush()
         if bar:
             bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics.get('heldout_tau', float('nan')):.2f}")
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics.get('heldout_decoding_tau', float('nan')):.2f}")
     if bar:
         bar.close()
     log.close()
