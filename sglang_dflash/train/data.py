@@ -88,6 +88,13 @@ def regenerate_with_server(url: str, tokenizer, prompts: list[dict], out: str | 
     return out
 
 
+def stop_and_pad_ids(model, tokenizer) -> tuple[list[int], int]:
+    """The model's stop token ids (its generation config's eos ids) and a padding id for batches."""
+    stops = model.generation_config.eos_token_id
+    stops = [stops] if isinstance(stops, int) else list(stops or [])
+    return stops, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
+
+
 def regenerate_with_hf(model, tokenizer, prompts: list[dict], out: str | Path, max_new_tokens: int,
                        progress: bool = True, batch_size: int = 64) -> Path:
     """Greedy responses from a Transformers model (on its device), batch_size prompts at a time in the
@@ -98,9 +105,7 @@ def regenerate_with_hf(model, tokenizer, prompts: list[dict], out: str | Path, m
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     todo = missing_responses(prompts, out)
-    stops = model.generation_config.eos_token_id
-    stops = [stops] if isinstance(stops, int) else list(stops or [])
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
+    stops, pad = stop_and_pad_ids(model, tokenizer)
     batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
     with open(out, "a") as f:
         for batch in _progress(batches, len(batches), "regenerate", progress):

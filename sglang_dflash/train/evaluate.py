@@ -10,8 +10,9 @@ Two methods, the same figures:
           B - 1 tokens past the end so that the last block is judged as decoding judges it), one
           target forward for the features, then the same walk as decoding: a block [token at
           start, MASK, ...] over the context before start, its drafts accepted while they equal
-          the continuation, start advances by accepted + 1. The draft sees what it sees in decoding up to float rounding
-          (features of one forward against those of incremental verify forwards), so the two
+          the continuation, start advances by accepted + 1. The draft sees what it sees in
+          decoding up to float rounding (features of one forward against those of incremental
+          verify forwards), so the two
           methods agree step for step except at a near tie of the draft's or the target's logits
           (test_train checks them against each other).
 
@@ -27,7 +28,7 @@ from sglang_dflash.cpu import gemm
 from sglang_dflash.generate import spec_generate, target_features
 from sglang_dflash.models.reference import ContextCache
 from sglang_dflash.train.batched_greedy import greedy_batch
-from sglang_dflash.train.data import chat_ids
+from sglang_dflash.train.data import chat_ids, stop_and_pad_ids
 
 
 def eval_draft(target, tok, draft, prompts: list[dict], max_new_tokens: int = 256, progress: bool = True,
@@ -39,8 +40,7 @@ def eval_draft(target, tok, draft, prompts: list[dict], max_new_tokens: int = 25
         return replay_greedy(target, tok, draft, prompts, max_new_tokens, progress)
     if method != "decode":
         raise ValueError(f"unknown eval-draft method {method!r} (decode or replay)")
-    stops = target.generation_config.eos_token_id
-    stops = [stops] if isinstance(stops, int) else list(stops or [])
+    stops = stop_and_pad_ids(target, tok)[0]
     B = draft.config.block_size
     steps: list[int] = []
     per_prompt = []
@@ -117,11 +117,9 @@ def replay_walk(draft, embed, head: torch.Tensor, seq: torch.Tensor, features: t
 @torch.no_grad()
 def replay_greedy(target, tok, draft, prompts: list[dict], max_new_tokens: int = 256, progress: bool = True,
                   batch_size: int = 32) -> dict:
-    stops = target.generation_config.eos_token_id
-    stops = [stops] if isinstance(stops, int) else list(stops or [])
+    stops, pad = stop_and_pad_ids(target, tok)
     B = draft.config.block_size
     device = next(target.parameters()).device
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (stops[0] if stops else 0)
     ids = [chat_ids(tok, p["prompt"]) for p in prompts]
     steps: list[int] = []
     per_prompt = []
