@@ -7,11 +7,12 @@ Prefill runs the target with hidden-state capture and writes the draft context
 K/V of every prompt token. The draft's context K/V live in a paged store
 indexed by the target's own KV slots (see models/paged.py).
 
-Tensor parallelism: the target is sharded as SGLang shards it; the draft is replicated on
-every rank (it is small) and proposes through the target's vocabulary-sharded lm_head
+Tensor parallelism: the target is sharded as SGLang shards it, and so is the draft (its heads
+and MLP split over the ranks by SGLang's parallel linears, models/sharded.py; its context store
+holds the rank's kv heads); it proposes through the target's vocabulary-sharded lm_head
 (draft_head.py). Every rank must feed the target's collectives the same tokens and commit the
 same lengths: greedy decisions are made from inputs that are identical on every rank (the
-gathered verify logits, the all-reduced hidden states, the replicated draft), so they agree by
+gathered verify logits, the all-reduced hidden states of target and draft), so they agree by
 construction; random draws (sampled drafts, rejection sampling) are taken from rank 0
 (`tp_broadcast`).
 
@@ -36,7 +37,7 @@ from sglang_dflash.config import load_checked
 from sglang_dflash.cpu import gemm
 from sglang_dflash.draft_head import DraftHead
 from sglang_dflash.models.paged import PagedDraft
-from sglang_dflash.models.reference import DFlashDraftModel
+from sglang_dflash.models.sharded import ShardedDraftModel
 from sglang_dflash.ops import kernels
 
 logger = logging.getLogger(__name__)
@@ -75,8 +76,8 @@ class DFlashWorker(_base()):
                                    server_args.speculative_num_draft_tokens, server_args.trust_remote_code)
         self.block_size = self.config.block_size  # B: the draft's block (what it was trained to fill)
         self.window = server_args.speculative_num_draft_tokens or self.block_size  # K ≤ B tokens verified per step
-        self.draft_model = DFlashDraftModel.from_pretrained(server_args.speculative_draft_model_path, dtype=self.dtype,
-                                                            device=self.device)
+        self.draft_model = ShardedDraftModel.from_pretrained(server_args.speculative_draft_model_path, dtype=self.dtype,
+                                                             device=self.device)
         self.draft: PagedDraft | None = None  # allocated once the target's KV pool exists
         target = self.model_runner.model
         self.embed = target.get_input_embeddings()
@@ -91,11 +92,13 @@ class DFlashWorker(_base()):
         self.accept_hist = torch.zeros(self.window + 1, dtype=torch.long)
         self.decode_batches, self.phase_seconds = 0, {}  # and the wall time of each step phase
         self.warned_custom = False
+        attn = self.draft_model.layers[0].self_attn
         step_ops = "CUDA kernels" if kernels.extension_available() and self.device != "cpu" else "torch twins"
         logger.info("sglang-dflash %s DFLASH worker: draft %s (%d layers, block %d, target layers %s), verify "
-                    "window %d, %s %s, step ops: %s, tp %d (draft replicated)", __version__,
+                    "window %d, %s %s, step ops: %s, tp %d (draft heads per rank: %d query, %d kv)", __version__,
                     server_args.speculative_draft_model_path, len(self.draft_model.layers), self.block_size,
-                    self.layer_ids, self.window, self.device, self.dtype, step_ops, self.tp_size)
+                    self.layer_ids, self.window, self.device, self.dtype, step_ops, self.tp_size,
+                    attn.h, attn.kvh)
 
     # ---- what the scheduler calls at start-up ---------------------------
     def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):

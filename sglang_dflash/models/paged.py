@@ -19,7 +19,8 @@ class PagedDraft:
         cfg = model.config
         self.model = model
         self.block_size = cfg.block_size
-        shape = (len(model.layers), num_slots, cfg.num_key_value_heads, cfg.head_dim)
+        # this rank's kv heads (all of them unless the model is sharded: models/sharded.py)
+        shape = (len(model.layers), num_slots, model.layers[0].self_attn.kvh, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
 

@@ -72,22 +72,39 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
 
+    # The three products (models/sharded.py computes them with SGLang's tensor-parallel layers).
+    def project_qkv(self, x):
+        """x [..., H] -> q [..., h·d], k [..., kvh·d], v [..., kvh·d]."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def project_kv(self, x):
+        """x [..., H] -> k, v [..., kvh·d] (the context rows need no queries)."""
+        return self.k_proj(x), self.v_proj(x)
+
+    def project_out(self, o):
+        """o [..., h·d] -> [..., H]."""
+        return self.o_proj(o)
+
+    def shape_kv(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """k, v [b, T, kvh·d] -> [b, kvh, T, d] each (k normed and rotated)."""
+        b, T, _ = k.shape
+        k = self.k_norm(k.view(b, T, self.kvh, self.d)).transpose(1, 2)
+        return apply_rope(k, cos, sin), v.view(b, T, self.kvh, self.d).transpose(1, 2)
+
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [b, T, H] -> k, v [b, kvh, T, d] (k normed and rotated)."""
-        b, T, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, T, self.kvh, self.d)).transpose(1, 2)
-        v = self.v_proj(x).view(b, T, self.kvh, self.d).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
+        return self.shape_kv(*self.project_kv(x), cos, sin)
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
         """x [b, Q, H] block; ctx_k/ctx_v [b, kvh, C, d]; mask [b|1, 1, Q, C+Q] bool (True = attend) or None."""
         b, Q, _ = x.shape
-        q = apply_rope(self.q_norm(self.q_proj(x).view(b, Q, self.h, self.d)).transpose(1, 2), cos, sin)
-        k_blk, v_blk = self.kv(x, cos, sin)
+        q, k_blk, v_blk = self.project_qkv(x)
+        q = apply_rope(self.q_norm(q.view(b, Q, self.h, self.d)).transpose(1, 2), cos, sin)
+        k_blk, v_blk = self.shape_kv(k_blk, v_blk, cos, sin)
         k = torch.cat([ctx_k, k_blk], dim=2)  # [b, kvh, C+Q, d]
         v = torch.cat([ctx_v, v_blk], dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.h != self.kvh)
-        return self.o_proj(out.transpose(1, 2).reshape(b, Q, self.h * self.d))
+        return self.project_out(out.transpose(1, 2).reshape(b, Q, self.h * self.d))
 
 
 class DraftMLP(nn.Module):
@@ -104,10 +121,12 @@ class DraftMLP(nn.Module):
 
 
 class DraftLayer(nn.Module):
+    attention_class, mlp_class = DraftAttention, DraftMLP
+
     def __init__(self, cfg: DraftConfig):
         super().__init__()
-        self.self_attn = DraftAttention(cfg)
-        self.mlp = DraftMLP(cfg)
+        self.self_attn = self.attention_class(cfg)
+        self.mlp = self.mlp_class(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -117,11 +136,13 @@ class DraftLayer(nn.Module):
 
 
 class DFlashDraftModel(nn.Module):
+    layer_class = DraftLayer
+
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         cfg.check()
         self.config = cfg
-        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.fc = nn.Linear(cfg.num_features * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -139,7 +160,7 @@ class DFlashDraftModel(nn.Module):
         return ContextCache([k for k, _ in kvs], [v for _, v in kvs])
 
     def new_cache(self, batch: int, device, dtype) -> ContextCache:
-        empty = lambda: torch.empty(batch, self.config.num_key_value_heads, 0, self.config.head_dim,  # noqa: E731
+        empty = lambda: torch.empty(batch, self.layers[0].self_attn.kvh, 0, self.config.head_dim,  # noqa: E731
                                     device=device, dtype=dtype)
         return ContextCache([empty() for _ in self.layers], [empty() for _ in self.layers])
 
@@ -168,31 +189,11 @@ class DFlashDraftModel(nn.Module):
     # ---- checkpoint format ---------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device="cpu") -> "DFlashDraftModel":
-        from safetensors.torch import load_file
-
-        cfg = DraftConfig.from_pretrained(path)
-        files = sorted(Path(path).glob("*.safetensors"))
-        if not files:
-            raise DraftConfigError(f"draft path {str(path)!r} has no *.safetensors weights")
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(str(f), device=str(device)))
-        state = {k.removeprefix("model."): v for k, v in state.items()}
-        with torch.device("meta"):
-            model = cls(cfg)
-        expected = model.state_dict()
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise DraftConfigError(f"draft weights in {str(path)!r} do not match its config: "
-                                   f"missing {missing[:5]}{'…' if len(missing) > 5 else ''}, "
-                                   f"unexpected {unexpected[:5]}{'…' if len(unexpected) > 5 else ''}")
-        for name, t in expected.items():
-            if state[name].shape != t.shape:
-                raise DraftConfigError(f"draft weight {name} has shape {tuple(state[name].shape)}, "
-                                       f"its config implies {tuple(t.shape)}")
+        cfg, state = read_checkpoint(path, device)
         if dtype is not None:
             state = {k: v.to(dtype) for k, v in state.items()}
+        with torch.device("meta"):
+            model = cls(cfg)
         model.load_state_dict(state, assign=True)
         return model.eval()
 
@@ -215,3 +216,31 @@ class DFlashDraftModel(nn.Module):
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
         return model.to(dtype).eval()
+
+
+def read_checkpoint(path: str | Path, device="cpu") -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+    """A draft in the published format -> (its config, its tensors by this model's parameter names),
+    checked: every parameter present, none extra, each of the shape the config implies."""
+    from safetensors.torch import load_file
+
+    cfg = DraftConfig.from_pretrained(path)
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise DraftConfigError(f"draft path {str(path)!r} has no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f), device=str(device)))
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    with torch.device("meta"):
+        expected = DFlashDraftModel(cfg).state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise DraftConfigError(f"draft weights in {str(path)!r} do not match its config: "
+                               f"missing {missing[:5]}{'…' if len(missing) > 5 else ''}, "
+                               f"unexpected {unexpected[:5]}{'…' if len(unexpected) > 5 else ''}")
+    for name, t in expected.items():
+        if state[name].shape != t.shape:
+            raise DraftConfigError(f"draft weight {name} has shape {tuple(state[name].shape)}, "
+                                   f"its config implies {tuple(t.shape)}")
+    return cfg, state
