@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang_dflash.config import DraftConfig
+from sglang_dflash.config import DraftConfig, DraftConfigError
 from sglang_dflash.models.reference import (DFlashDraftModel, DraftAttention, DraftLayer, RMSNorm,
                                             read_checkpoint)
 
@@ -71,7 +71,7 @@ class ShardedMLP(nn.Module):
 
         super().__init__()
         if cfg.hidden_act != "silu":
-            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")
+            raise DraftConfigError(f"hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
