@@ -17,8 +17,9 @@ padded as SGLang pads such a target on a CPU: kv heads up to a multiple of the r
 group of query heads, all of zero weights (a zero query, key and value and a zero o_proj column: a
 padded head adds exactly nothing); likewise an MLP width the ranks do not divide.
 
-Building one needs SGLang's parallel state (the server's; in tests `init_single_process_dist` or
-`initialize_model_parallel`).
+Building one needs SGLang's parallel state: the server's, or in tests one stood up per rank as
+tests/test_sharded_draft.py does (init_distributed_environment, publish_build_topology,
+initialize_model_parallel).
 """
 
 from __future__ import annotations
