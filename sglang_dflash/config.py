@@ -154,6 +154,8 @@ class DraftConfig:
         if any(a >= b for a, b in zip(self.target_layer_ids, self.target_layer_ids[1:])):
             raise DraftConfigError(f"target_layer_ids {self.target_layer_ids} must be strictly increasing "
                                    "(servers capture each target layer once, in layer order)")
+        if self.hidden_act != "silu":
+            raise DraftConfigError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
         if self.rope_scaling and self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) not in (None, "default"):
             raise DraftConfigError(f"rope scaling {self.rope_scaling} is not supported by this draft model yet")
 

@@ -4,25 +4,19 @@ published-format checkpoint, with fewer kv heads than ranks too."""
 
 import multiprocessing as mp
 import os
-import socket
 
 import pytest
 import torch
 
 from sglang_dflash.config import DraftConfig
 from sglang_dflash.models.reference import DFlashDraftModel
+from sglang_dflash.server import free_port
 
 
 def draft_config(heads: int, kv_heads: int, attention_bias: bool = False, width: int = 96) -> DraftConfig:
     return DraftConfig(hidden_size=64, intermediate_size=width, num_hidden_layers=2, num_attention_heads=heads,
                        num_key_value_heads=kv_heads, head_dim=16, vocab_size=64, block_size=8, num_target_layers=6,
                        target_layer_ids=[1, 3], mask_token_id=63, attention_bias=attention_bias)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_main(rank: int, world: int, port: int, path: str, dtype: torch.dtype, out: str) -> None:

@@ -110,8 +110,6 @@ class DraftAttention(nn.Module):
 class DraftMLP(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
-        if cfg.hidden_act != "silu":
-            raise DraftConfigError(f"hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang_dflash.config import DraftConfig, DraftConfigError
+from sglang_dflash.config import DraftConfig
 from sglang_dflash.models.reference import (DFlashDraftModel, DraftAttention, DraftLayer, RMSNorm,
                                             read_checkpoint)
 
@@ -71,8 +71,6 @@ class ShardedMLP(nn.Module):
         from sglang.srt.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
         super().__init__()
-        if cfg.hidden_act != "silu":
-            raise DraftConfigError(f"hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
@@ -104,7 +102,7 @@ class ShardedDraftModel(DFlashDraftModel):
         """Checkpoint tensors (whole, reference names) -> this rank's parts, in this model's dtype."""
         params = dict(self.named_parameters())
         for name, tensor in state.items():
-            module, proj, leaf = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", name)
+            module, proj, leaf = split_name(name)
             if proj in FUSED:
                 fused, shard_id = FUSED[proj]
                 param = params[f"{module}.{fused}.{leaf}"]
@@ -113,6 +111,12 @@ class ShardedDraftModel(DFlashDraftModel):
                 params[name].weight_loader(params[name], tensor)
             else:
                 params[name].copy_(tensor)
+
+
+def split_name(name: str) -> tuple[str, str, str]:
+    """"layers.0.self_attn.q_proj.weight" -> ("layers.0.self_attn", "q_proj", "weight");
+    a top-level parameter ("norm.weight") has no projection: ("", "", name)."""
+    return tuple(name.rsplit(".", 2)) if name.count(".") >= 2 else ("", "", name)
 
 
 def pad_for_ranks(cfg: DraftConfig, state: dict[str, torch.Tensor], tp: int):
@@ -136,7 +140,7 @@ def pad_for_ranks(cfg: DraftConfig, state: dict[str, torch.Tensor], tp: int):
     cols = {"o_proj": new_kvh * group * d, "down_proj": new_width}  # input columns
     padded = {}
     for name, t in state.items():
-        proj = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        proj = split_name(name)[1]
         if proj in rows:
             t = pad(t, 0, rows[proj])
         elif proj in cols and name.endswith("weight"):

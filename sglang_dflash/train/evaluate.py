@@ -12,9 +12,8 @@ Two methods, the same figures:
           start, MASK, ...] over the context before start, its drafts accepted while they equal
           the continuation, start advances by accepted + 1. The draft sees what it sees in
           decoding up to float rounding (features of one forward against those of incremental
-          verify forwards), so the two
-          methods agree step for step except at a near tie of the draft's or the target's logits
-          (test_train checks them against each other).
+          verify forwards), so the two methods agree step for step except at a near tie of the
+          draft's or the target's logits (test_train checks them against each other).
 
 τ = generated tokens after the first / verify steps; the acceptance rate at block row k
 is the fraction of verify steps that accepted at least k drafts.
