@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--mask-token-id", type=int, default=None)
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
-    p.add_argument("--init", choices=["target", "random"], default="target")
+    p.add_argument("--init", default="target",
+                   help="target (copies of its last layers), random, or a draft folder to continue training from")
     p.add_argument("--device", default="cpu")
     for name, f in FitConfig.__dataclass_fields__.items():  # every fit setting is a flag
         kind = type(f.default)

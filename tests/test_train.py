@@ -214,6 +214,37 @@ def test_trained_checkpoint_loads_in_the_serving_path(tiny_run, tiny_qwen3_path)
     assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
 
 
+def test_a_run_continues_from_an_earlier_draft(tiny_run):
+    """--init DRAFT: a new run (its own work folder, here a schedule of 20 steps) starts from an earlier run's
+    exported weights, so its first steps already have that run's low loss; a draft of another architecture, or
+    a path that is no draft, is refused by name."""
+    import dataclasses
+
+    from sglang_dflash.train.recipe import run
+
+    earlier = tiny_run["base"] / "straight"
+    (tiny_run["base"] / "work-continued").mkdir()
+    (tiny_run["base"] / "work-continued" / "responses.jsonl").write_text(
+        (tiny_run["base"] / "work-straight" / "responses.jsonl").read_text())
+    base = tiny_run["recipe"]
+    continued = dataclasses.replace(base, out=str(tiny_run["base"] / "continued"),
+                                    work=str(tiny_run["base"] / "work-continued"), init=str(earlier),
+                                    fit=dataclasses.replace(base.fit, steps=20, warmup=1, lr=1e-5))
+    run(continued)
+    log = lambda name: [json.loads(line)["loss"] for line in (tiny_run["base"] / name / "log.jsonl").read_text().splitlines()]
+    scratch, again = log("work-straight"), log("work-continued")
+    print(f"first-step loss: {scratch[0]:.2f} from random weights, {again[0]:.2f} from the earlier draft "
+          f"(which ended at {sum(scratch[-10:]) / 10:.2f})")
+    assert again[0] < 2 * sum(scratch[-10:]) / 10 < 0.5 * scratch[0]
+
+    wider = dataclasses.replace(continued, num_layers=2, work=str(tiny_run["base"] / "work-wider"))
+    with pytest.raises(ValueError, match="architecture differs.*num_hidden_layers"):
+        run(wider)
+    with pytest.raises(ValueError, match="neither 'target', 'random' nor a draft folder"):
+        run(dataclasses.replace(continued, init=str(tiny_run["base"] / "no-such-draft"),
+                                work=str(tiny_run["base"] / "work-nodraft")))
+
+
 def test_the_export_is_the_best_heldout_step(tiny_run, tiny_qwen3_path, tmp_path, monkeypatch):
     """With held-out sequences, the published-format draft is the weights of the step with the best held-out
     decoding τ, not the last step's (a long run on little data overfits). The held-out figures are scripted
@@ -254,3 +285,16 @@ def test_the_export_is_the_best_heldout_step(tiny_run, tiny_qwen3_path, tmp_path
     trainer.fit(DFlashDraftModel.random(cfg, seed=0), frozen, seqs, fit_cfg, tmp_path / "work-last", tmp_path / "last",
                 progress=False)
     assert json.loads((tmp_path / "last" / "training_state.json").read_text())["step"] == 50
+
+
+def test_autocast_setting():
+    """bf16 autocast on, off, or auto: on only where bf16 products are native (emulated bf16 made this CPU's
+    products five times slower than float32)."""
+    from sglang_dflash.train.trainer import FitConfig, bf16_is_native, use_autocast
+
+    assert use_autocast(FitConfig(autocast="on"), "cpu") and use_autocast(FitConfig(autocast="true"), "cpu")
+    assert not use_autocast(FitConfig(autocast="off"), "cpu") and not use_autocast(FitConfig(autocast=False), "cpu")
+    flags = open("/proc/cpuinfo").read()
+    assert use_autocast(FitConfig(), "cpu") == bf16_is_native("cpu") == ("avx512_bf16" in flags or "amx_bf16" in flags)
+    with pytest.raises(ValueError, match="autocast must be on, off or auto"):
+        use_autocast(FitConfig(autocast="sometimes"), "cpu")

@@ -98,8 +98,9 @@ def stop_and_pad_ids(model, tokenizer) -> tuple[list[int], int]:
 def regenerate_with_hf(model, tokenizer, prompts: list[dict], out: str | Path, max_new_tokens: int,
                        progress: bool = True, batch_size: int = 64) -> Path:
     """Greedy responses from a Transformers model (on its device), batch_size prompts at a time in the
-    prompt set's order (batched_greedy.py: ~250 tok/s for SmolLM2 in bf16 at 128 on the project's
-    2-core CPU, 3x SGLang's CPU server), appended to out batch by batch."""
+    prompt set's order (batched_greedy.py: ~250 tok/s for SmolLM2 in bf16 at 128 on a 2-core CPU with
+    AVX512-BF16, 3x SGLang's CPU server; ~135 tok/s in float32 on a 2-core CPU with AVX2 only, where bf16 is
+    emulated and 3x slower still), appended to out batch by batch."""
     from sglang_dflash.train.batched_greedy import greedy_batch
 
     out = Path(out)

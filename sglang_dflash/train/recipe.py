@@ -39,7 +39,7 @@ class Recipe:
     block_size: int = 16
     mask_token_id: int | None = None
     target_layer_ids: list[int] | None = None
-    init: str = "target"  # target | random
+    init: str = "target"  # target | random | a draft folder (published format) to continue from
     fit: FitConfig = dataclasses.field(default_factory=FitConfig)
     device: str = "cpu"
 
@@ -100,20 +100,35 @@ def run(r: Recipe) -> dict:
     target.to(r.device)  # regeneration (hf) and the feature cache run on the training device
     cfg = draft_config(r, target, tok)
     cfg.check_target(target.config)
+    torch.manual_seed(r.fit.seed)
+    draft = initial_draft(r, cfg, target)  # before the long phases: a bad --init fails at once
     responses = regenerate(r, tok, target)
     cache = build_feature_cache(target, responses, cfg.target_layer_ids, work / "features")
     seqs = cache.load()
 
-    torch.manual_seed(r.fit.seed)
-    draft = DFlashDraftModel.random(cfg, seed=r.fit.seed)
-    if r.init == "target":
-        init_from_target(draft, target)
     frozen = Frozen(target.get_input_embeddings().weight.float().cpu(),
                     target.get_output_embeddings().weight.float().cpu(), training_vocab(seqs, cfg.vocab_size))
     del target
     metrics = fit(draft, frozen, seqs, r.fit, work, r.out, device=r.device)
     write_card(r, metrics, len(seqs), sum(s.tokens.numel() - s.prompt_len for s in seqs))
     return metrics
+
+
+def initial_draft(r: Recipe, cfg: DraftConfig, target) -> DFlashDraftModel:
+    """The draft training starts from: random, the target's last layers, or an earlier draft (--init PATH),
+    which must have exactly the architecture this run asks for."""
+    if r.init in ("target", "random"):
+        draft = DFlashDraftModel.random(cfg, seed=r.fit.seed)
+        if r.init == "target":
+            init_from_target(draft, target)
+        return draft
+    if not (Path(r.init) / "config.json").is_file():
+        raise ValueError(f"--init {r.init!r}: neither 'target', 'random' nor a draft folder with a config.json")
+    start = DFlashDraftModel.from_pretrained(r.init, dtype=torch.float32)
+    if start.config.to_dict() != cfg.to_dict():
+        diff = {k: (v, cfg.to_dict().get(k)) for k, v in start.config.to_dict().items() if cfg.to_dict().get(k) != v}
+        raise ValueError(f"--init {r.init}: its architecture differs from this run's (theirs, ours): {diff}")
+    return start
 
 
 def write_card(r: Recipe, metrics: dict, num_seqs: int, num_tokens: int) -> None:
