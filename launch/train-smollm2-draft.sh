@@ -1,24 +1,33 @@
 #!/usr/bin/env bash
-# Train (or resume training) the SmolLM2-135M-Instruct DFlash draft that the demo ships.
-# Every phase resumes: re-run this same command after an interruption.
-#   work files (responses, feature cache, optimizer state): $SGLANG_DFLASH_HOME/train/smollm2
-#   the draft, in the published format:                    launch/drafts/SmolLM2-135M-Instruct-DFlash
-# Extra arguments go to `sglang-dflash train` (e.g. --stop-at 1000 to pause after step 1000).
-# Data: the first 597 gsm8k_train prompts (as many responses as the first session's
-# regeneration produced; the run of 2026-11-29 overfits them after ~2,500 steps, see
-# benchmarks/README.md: more data is the next step).
-# On the project's 2-core CPU machine run nothing else heavy meanwhile: two busy SGLang
-# servers or a server and this trainer slow each other down by an order of magnitude.
+# Train (or resume training) the SmolLM2-135M-Instruct DFlash draft that the demo ships, in two stages
+# (see launch/drafts/SmolLM2-135M-Instruct-DFlash/README.md for what each reached and how long it took).
+# Every phase of each stage resumes: re-run this same command after an interruption.
+#   stage 1: 597 gsm8k_train prompts, from copies of the target's last 3 layers, stopped at step 4,250
+#            work: $SGLANG_DFLASH_HOME/train/smollm2          draft: $SGLANG_DFLASH_HOME/train/smollm2-stage1
+#   stage 2: 1,536 gsm8k_train prompts (the first 597 among them), continuing from stage 1's draft
+#            work: $SGLANG_DFLASH_HOME/train/smollm2-stage2   draft: launch/drafts/SmolLM2-135M-Instruct-DFlash
+# Extra arguments go to stage 2's `sglang-dflash train` (e.g. --stop-at 1000 to pause after step 1000).
+# On the project's 2-core CPU machine run nothing else heavy meanwhile: two busy processes (a server,
+# this trainer) slow each other down by an order of magnitude.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HOME_DIR="${SGLANG_DFLASH_HOME:-$HOME/.cache/sglang-dflash}"
+PROMPTS="${SHARED_DATA:-$ROOT/../shared/data}/gsm8k_train.jsonl"
 bash "$ROOT/launch/setup.sh"
 target="$("$ROOT/.venv/bin/sglang-dflash" prepare-target smollm2 --out "$HOME_DIR/fixtures/smollm2")"
-exec "$ROOT/.venv/bin/sglang-dflash" train \
-  --target "$target" \
-  --prompts "${SHARED_DATA:-$ROOT/../shared/data}/gsm8k_train.jsonl" --num-prompts 597 --max-new-tokens 256 \
-  --generator sglang --gen-dtype float32 --gen-concurrency 48 --feature-dtype float32 \
-  --mask-token-id 16 --num-layers 3 --block-size 16 --init target \
-  --steps 6000 --lr 5e-4 --warmup 100 --seqs-per-step 4 --blocks-per-seq 32 --gamma 7 --kl-weight 1.0 \
-  --heldout 32 --eval-every 250 --save-every 250 --keep-best false \
-  --out "$ROOT/launch/drafts/SmolLM2-135M-Instruct-DFlash" --work "$HOME_DIR/train/smollm2" "$@"
+common=(--target "$target" --prompts "$PROMPTS" --max-new-tokens 256 --mask-token-id 16 --num-layers 3
+        --block-size 16 --lr 5e-4 --warmup 100 --seqs-per-step 4 --blocks-per-seq 32 --kl-weight 1.0 --heldout 32)
+
+stage1="$HOME_DIR/train/smollm2-stage1"
+if [ "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["step"])' "$stage1/training_state.json" 2>/dev/null)" != 4250 ]; then
+  "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --num-prompts 597 \
+    --generator sglang --gen-dtype float32 --gen-concurrency 48 --feature-dtype float32 --init target \
+    --steps 6000 --stop-at 4250 --gamma 7 --autocast on --eval-every 250 --save-every 250 --keep-best false \
+    --out "$stage1" --work "$HOME_DIR/train/smollm2"
+fi
+
+# float32 throughout: stage 2 ran on a CPU without AVX-512 (bf16 products 5x slower than float32 there)
+exec "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --num-prompts 1536 \
+  --generator hf --gen-dtype float32 --gen-concurrency 128 --feature-dtype float32 --init "$stage1" \
+  --steps 1750 --gamma 4 --autocast false --eval-every 500 --save-every 250 \
+  --out "$ROOT/launch/drafts/SmolLM2-135M-Instruct-DFlash" --work "$HOME_DIR/train/smollm2-stage2" "$@"
