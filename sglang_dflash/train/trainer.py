@@ -235,7 +235,8 @@ def fit(draft: DFlashDraftModel, frozen: Frozen, seqs: list[Sequence], cfg: FitC
 def bf16_is_native(device) -> bool:
     """Whether bf16 products run natively: CUDA with bf16 support, or a CPU with AVX512-BF16 or AMX. Elsewhere
     torch emulates them (measured on a 2-core EPYC VM exposing AVX2 only: a [2048, 576] x [576, 1536] product
-    takes 121 ms in bf16 against 25 ms in float32), and bf16 autocast would make the products of training five times slower."""
+    takes 121 ms in bf16 against 25 ms in float32), and bf16 autocast would make the products of training
+    five times slower."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
