@@ -237,9 +237,9 @@ def test_a_run_continues_from_an_earlier_draft(tiny_run):
           f"(which ended at {sum(scratch[-10:]) / 10:.2f})")
     assert again[0] < 2 * sum(scratch[-10:]) / 10 < 0.5 * scratch[0]
 
-    wider = dataclasses.replace(continued, num_layers=2, work=str(tiny_run["base"] / "work-wider"))
+    deeper = dataclasses.replace(continued, num_layers=2, work=str(tiny_run["base"] / "work-deeper"))
     with pytest.raises(ValueError, match="architecture differs.*num_hidden_layers"):
-        run(wider)
+        run(deeper)
     with pytest.raises(ValueError, match="neither 'target', 'random' nor a draft folder"):
         run(dataclasses.replace(continued, init=str(tiny_run["base"] / "no-such-draft"),
                                 work=str(tiny_run["base"] / "work-nodraft")))

@@ -125,8 +125,9 @@ def initial_draft(r: Recipe, cfg: DraftConfig, target) -> DFlashDraftModel:
     if not (Path(r.init) / "config.json").is_file():
         raise ValueError(f"--init {r.init!r}: neither 'target', 'random' nor a draft folder with a config.json")
     start = DFlashDraftModel.from_pretrained(r.init, dtype=torch.float32)
-    if start.config.to_dict() != cfg.to_dict():
-        diff = {k: (v, cfg.to_dict().get(k)) for k, v in start.config.to_dict().items() if cfg.to_dict().get(k) != v}
+    theirs, ours = start.config.to_dict(), cfg.to_dict()
+    if theirs != ours:
+        diff = {k: (v, ours.get(k)) for k, v in theirs.items() if ours.get(k) != v}
         raise ValueError(f"--init {r.init}: its architecture differs from this run's (theirs, ours): {diff}")
     return start
 
