@@ -543,9 +543,9 @@ def test_bad_draft_path_stops_the_server(smol, tmp_path):
 
 # ---- sampling at temperature > 0: the output distribution is the target's (issue 6) ------------
 # Each case draws STAT_SAMPLES completions of 3 tokens from the baseline server and from the DFLASH
-# server with a verify window of 4 (a 16-row verify per request to produce two tokens cost this CPU
-# 2-3 minutes per case; the accept rule's row count is a parameter that tests/test_accept.py
-# enumerates). The first token comes from the prefill; the next two from verify steps, so they go through
+# server with a verify window of 4 (on a 2-core AVX2 CPU a case took about 6 minutes with a 16-row
+# verify per request to produce two tokens, 2.5-3.3 with 4 rows; the accept rule's row count is a
+# parameter that tests/test_accept.py enumerates). The first token comes from the prefill; the next two from verify steps, so they go through
 # rejection sampling. On the "point-mass draft" prompt the oracle plugin proposes the greedy
 # continuation (q is a point mass; often accepted); on the "random draft" prompt the random draft
 # samples its own proposals from its q (almost always rejected: the residual path). Each sample is
