@@ -22,6 +22,11 @@ NEW_TOKENS = 128
 ONE_OF_EACH_SET = (0, 4, 8)  # tests/data/prompts.jsonl: gsm8k_test, humaneval, mt_bench
 
 
+def sixteen_of_forty(rows: list) -> list:
+    """16 of the 40 test prompts, every fifth and the one after it: gsm8k_test, humaneval and mt_bench alike."""
+    return rows[::5] + rows[1::5]
+
+
 def save_random_draft(target_path: Path, out: Path, name: str, seed: int = 0) -> Path:
     """A random 2-layer draft for the target, saved in bf16 (the server runs it in its own dtype)."""
     from transformers import AutoConfig
@@ -387,7 +392,7 @@ def test_bfloat16_divergences_fall_on_near_ties(smol):
     the random-draft server verifies about 4.5 tokens/s at concurrency 16 (float32: 14.5)."""
     body = lambda ids, **extra: {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 64},  # noqa: E731
                                  **extra}
-    inputs = smol["inputs"][::5] + smol["inputs"][1::5]
+    inputs = sixteen_of_forty(smol["inputs"])
 
     def run(url, **extra):
         with ThreadPoolExecutor(16) as pool:
@@ -420,7 +425,7 @@ def test_tiny_qwen3_lossless_float32(tiny_qwen3_path, prompts, tmp_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_qwen3_path))
-    inputs = [chat_ids(tok, p["prompt"]) for p in prompts[::5] + prompts[1::5]]
+    inputs = [chat_ids(tok, p["prompt"]) for p in sixteen_of_forty(prompts)]
     draft = save_random_draft(tiny_qwen3_path, tmp_path / "draft", "tiny-qwen3")
     with sglang_server(tiny_qwen3_path, "--dtype", "float32") as url:
         base = run_all(url, inputs, 16, max_new_tokens=64)
