@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -85,6 +86,62 @@ def test_batched_greedy_equals_transformers_generate(tiny_qwen3_path, prompts):
     assert greedy_batch(model, ids, 24, [], pad=0) == free
 
 
+def test_batched_greedy_captures_what_a_second_pass_computes(tiny_qwen3_path, prompts):
+    """capture: the features that come out of the generating forwards (prompt rows from the prefill, one row per
+    output token, rows dropped mid-way, rows that stop early and rows that run to max_new_tokens) are, for every
+    prompt, the target's own states over prompt + output in one plain forward (to the bf16 they are stored in)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sglang_dflash.generate import target_features
+    from sglang_dflash.train.batched_greedy import greedy_batch
+    from sglang_dflash.train.data import chat_ids
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_path, dtype=torch.float32).eval()
+    ids = [chat_ids(tok, p["prompt"])[: 20 + 7 * i] for i, p in enumerate(prompts[:8])]
+    free = greedy_batch(model, ids, 24, [], pad=0)
+    stops = [free[0][2], free[3][9], free[5][15]]
+    plain = greedy_batch(model, ids, 24, stops, pad=0)
+    outputs, features = greedy_batch(model, ids, 24, stops, pad=0, capture=[0, 2])
+    assert outputs == plain and len({len(g) for g in outputs}) > 2
+    for x, g, (ctx, fin) in zip(ids, outputs, features):
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([x + g]), output_hidden_states=True)
+        for got, want in ((ctx, target_features(out.hidden_states, [0, 2])[0]), (fin, out.hidden_states[-1][0])):
+            assert got.dtype == torch.bfloat16 and got.shape == want.shape
+            # both rounded to bf16: at most one bf16 step (2^-8 relative) apart
+            torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), rtol=8e-3,
+                                       atol=1e-3 * want.abs().max().item())
+
+
+def test_feature_cache_takes_the_captured_features(tiny_qwen3_path, tmp_path):
+    """build_feature_cache uses the features saved by the regeneration (captured/) for the responses that have
+    them, runs the target for the others, removes captured/ when done, and refuses captured features whose tokens
+    are not the response's."""
+    from transformers import AutoModelForCausalLM
+
+    from sglang_dflash.generate import target_features
+    from sglang_dflash.train.features import build_feature_cache, save_captured
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_path, dtype=torch.float32).eval()
+    rows = [{"id": "a", "prompt_ids": [5, 6, 7], "output_ids": [8, 9]},
+            {"id": "b", "prompt_ids": [11, 12], "output_ids": [13, 14, 15]}]
+    F, H = 2 * model.config.hidden_size, model.config.hidden_size
+    marked = (torch.full((5, F), 3.0), torch.full((5, H), -2.0))  # no forward gives these
+    save_captured(tmp_path / "f", rows[:1], [marked])
+    seqs = build_feature_cache(model, rows, [0, 1], tmp_path / "f", progress=False).load()
+    assert not (tmp_path / "f" / "captured").exists()
+    assert torch.equal(seqs[0].context.float(), marked[0]) and torch.equal(seqs[0].final.float(), marked[1])
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[11, 12, 13, 14, 15]]), output_hidden_states=True)
+    assert torch.equal(seqs[1].context, target_features(out.hidden_states, [0, 1])[0].to(torch.bfloat16))
+    assert seqs[1].tokens.tolist() == [11, 12, 13, 14, 15] and seqs[1].prompt_len == 2
+
+    save_captured(tmp_path / "g", [dict(rows[0], output_ids=[8, 10])], [marked])
+    with pytest.raises(ValueError, match="captured features of 'a' are for other tokens"):
+        build_feature_cache(model, rows, [0, 1], tmp_path / "g", progress=False)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tiny_qwen3_path, prompts, tmp_path_factory):
     """A short real recipe run on tiny-qwen3 (Transformers regeneration, float32 features), paused halfway
@@ -106,10 +163,10 @@ def tiny_run(tiny_qwen3_path, prompts, tmp_path_factory):
     straight = recipe("straight")
     paused = recipe("paused", stop_at=300)
     first = run(paused)
-    # the responses and features are cached; the resumed run reuses the same folder
-    (base / "work-straight").mkdir()
-    for f in ("responses.jsonl",):
-        (base / "work-straight" / f).write_text((base / "work-paused" / f).read_text())
+    # the responses and features are cached; the resumed run reuses the same folder, the straight run a copy
+    # (the paused run captured its features while regenerating; a second pass would round a few differently)
+    shutil.copytree(base / "work-paused" / "features", base / "work-straight" / "features")
+    (base / "work-straight" / "responses.jsonl").write_text((base / "work-paused" / "responses.jsonl").read_text())
     run_straight = run(straight)
     paused.fit.stop_at = 0
     resumed = run(paused)

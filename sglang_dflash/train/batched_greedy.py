@@ -14,9 +14,16 @@ with two replacements:
 
 Prompts are left-padded to one width per batch; a row's positions start at 0 at its first
 real token, and its padding columns are masked out of every attention. Rows that finished
-(a stop token or max_new tokens) are dropped from the batch once a quarter of it has finished.
+(a stop token or max_new tokens) are dropped from the batch once a quarter of it has finished
+and their last token has been through the model.
 
     greedy_batch(model, prompts [token-id lists], max_new_tokens, stops, pad) -> each prompt's output ids
+
+With `capture` (the draft's target layer ids) it also returns, per prompt, the features the
+training recipe caches (train/features.py) for prompt + output: the states after those layers,
+concatenated [T, F], and the state after the final norm [T, H], taken from the same forwards
+that generate (so the recipe needs no second pass of the target over its responses). The last
+output token goes through the model once more for this, in a forward that generates nothing.
 """
 
 from __future__ import annotations
@@ -68,33 +75,51 @@ def _register() -> None:
     AttentionInterface.register(ATTENTION, attention)
 
 
-def _forward(model, ids, positions, mask, cache: KVBuffer):
-    """ids/positions [bs, n], mask [bs, 1, n, L] -> the last row's logits [bs, V] (float32)."""
+def _forward(model, ids, positions, mask, cache: KVBuffer, capture: tuple[int, ...] = ()):
+    """ids/positions [bs, n], mask [bs, 1, n, L] -> the last row's logits [bs, V] (float32), and with capture
+    (layer indices) the states of every row: (after those layers, concatenated [bs, n, F]; final norm [bs, n, H])."""
     inner = model.model
     x = inner.embed_tokens(ids)
     cos_sin = inner.rotary_emb(x, positions)
-    for layer in inner.layers:
+    states = []
+    for i, layer in enumerate(inner.layers):
         out = layer(x, attention_mask=mask, position_ids=positions, past_key_values=cache, position_embeddings=cos_sin)
         x = out[0] if isinstance(out, tuple) else out
+        if i in capture:
+            states.append(x)
     cache.length += ids.shape[1]
-    return model.lm_head(inner.norm(x[:, -1])).float()
+    if not capture:
+        return model.lm_head(inner.norm(x[:, -1])).float(), None
+    final = inner.norm(x)
+    return model.lm_head(final[:, -1]).float(), (torch.cat(states, dim=-1), final)
 
 
 @torch.no_grad()
-def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, stops: list[int], pad: int) -> list[list[int]]:
-    """One left-padded batch -> each prompt's greedy continuation, through its first stop token."""
+def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, stops: list[int], pad: int,
+                 capture: list[int] | None = None):
+    """One left-padded batch -> each prompt's greedy continuation, through its first stop token; with capture,
+    (continuations, [(context [T, F], final [T, H]) per prompt, bf16 on the CPU]) for T = prompt + continuation."""
     _register()
     device = next(model.parameters()).device
     cfg = model.config
+    layers = tuple(capture or ())
     bs, width = len(prompts), max(map(len, prompts))
     pads = torch.tensor([width - len(p) for p in prompts], device=device)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    total = width + max_new_tokens
+    total = width + max_new_tokens  # the last output token is forwarded only when capturing
     cols = torch.arange(total, device=device)
     valid = cols[None] >= pads[:, None]  # [bs, total]: not a padding column
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     cache = KVBuffer(cfg.num_hidden_layers, bs, cfg.num_key_value_heads, total, head_dim,
                      next(model.parameters()).dtype, device)
+    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(bs)]  # captured states per prompt
+
+    def keep_states(states, rows, take):  # states of batch rows `take` (bool [bs]) for the prompts `rows`
+        if states is not None:
+            ctx, fin = (t.to("cpu", torch.bfloat16) for t in states)
+            for j in take.nonzero().view(-1).tolist():
+                parts[rows[j]].append((ctx[j], fin[j]))
+
     old = cfg._attn_implementation
     cfg._attn_implementation = ATTENTION  # what the attention modules look up at every call
     try:
@@ -102,25 +127,43 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, stops: li
         causal = cols[:width, None] >= cols[None, :width]  # [width, width]
         mask = (causal[None] & valid[:, None, :width])[:, None]  # [bs, 1, width, width]
         mask |= torch.eye(width, dtype=torch.bool, device=device)[None, None]  # padding rows attend to themselves
-        token = _forward(model, ids, positions, mask, cache).argmax(-1)  # [bs]
+        logits, states = _forward(model, ids, positions, mask, cache, layers)
+        token = logits.argmax(-1)  # [bs]
+        if states is not None:
+            for r, p in enumerate(pads.tolist()):  # the prompt's real columns only
+                parts[r].append((states[0][r, p:].to("cpu", torch.bfloat16), states[1][r, p:].to("cpu", torch.bfloat16)))
         rows = torch.arange(bs, device=device)  # which prompt each row of the batch is
         closed = torch.zeros(bs, dtype=torch.bool, device=device)  # rows whose output has ended
         outputs: list[list[int]] = [[] for _ in range(bs)]
         stop_set = torch.tensor(stops or [-1], device=device)
         for step in range(max_new_tokens):
+            fresh = ~closed  # rows whose token of this step belongs to their output (its states are wanted)
             for r, t, c in zip(rows.tolist(), token.tolist(), closed.tolist()):
                 if not c:
                     outputs[r].append(t)
             closed |= torch.isin(token, stop_set)
-            if step + 1 == max_new_tokens or bool(closed.all()):
+            last = step + 1 == max_new_tokens or bool(closed.all())
+            if last and not layers:
                 break
-            if int(closed.sum()) * 4 >= len(rows):  # drop the finished rows from the batch
-                keep = ~closed
+            if not last and int((closed & ~fresh).sum()) * 4 >= len(rows):  # drop rows that ended before this step
+                keep = fresh
                 cache.keep(keep)
-                rows, token, pads, valid, closed = rows[keep], token[keep], pads[keep], valid[keep], closed[keep]
+                rows, token, pads, valid, closed, fresh = rows[keep], token[keep], pads[keep], valid[keep], closed[keep], fresh[keep]
             col = cache.length
             mask = valid[:, None, None, : col + 1]  # [bs, 1, 1, col + 1]
-            token = _forward(model, token[:, None], (col - pads)[:, None], mask, cache).argmax(-1)
+            logits, states = _forward(model, token[:, None], (col - pads)[:, None], mask, cache, layers)
+            keep_states(None if states is None else (states[0][:, 0], states[1][:, 0]), rows.tolist(), fresh)
+            if last:
+                break
+            token = logits.argmax(-1)
     finally:
         cfg._attn_implementation = old
-    return outputs
+    if not layers:
+        return outputs
+    features = []
+    for r in range(bs):
+        ctx = torch.cat([parts[r][0][0]] + [c[None] for c, _ in parts[r][1:]])
+        fin = torch.cat([parts[r][0][1]] + [f[None] for _, f in parts[r][1:]])
+        assert ctx.shape[0] == len(prompts[r]) + len(outputs[r]), (ctx.shape, len(prompts[r]), len(outputs[r]))
+        features.append((ctx, fin))
+    return outputs, features

@@ -96,12 +96,15 @@ def stop_and_pad_ids(model, tokenizer) -> tuple[list[int], int]:
 
 
 def regenerate_with_hf(model, tokenizer, prompts: list[dict], out: str | Path, max_new_tokens: int,
-                       progress: bool = True, batch_size: int = 64) -> Path:
+                       progress: bool = True, batch_size: int = 64, capture: tuple[Path, list[int]] | None = None) -> Path:
     """Greedy responses from a Transformers model (on its device), batch_size prompts at a time in the
     prompt set's order (batched_greedy.py: ~250 tok/s for SmolLM2 in bf16 at 128 on a 2-core CPU with
     AVX512-BF16, 3x SGLang's CPU server; ~135 tok/s in float32 on a 2-core CPU with AVX2 only, where bf16 is
-    emulated and 3x slower still), appended to out batch by batch."""
+    emulated and 3x slower still), appended to out batch by batch. capture = (feature folder, layer ids): the
+    target features of each batch, taken from the same forwards, are saved for the feature cache
+    (features.save_captured), which then needs no second pass of the target."""
     from sglang_dflash.train.batched_greedy import greedy_batch
+    from sglang_dflash.train.features import save_captured
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -111,9 +114,15 @@ def regenerate_with_hf(model, tokenizer, prompts: list[dict], out: str | Path, m
     with open(out, "a") as f:
         for batch in _progress(batches, len(batches), "regenerate", progress):
             ids = [chat_ids(tokenizer, p["prompt"]) for p in batch]
-            for p, x, g in zip(batch, ids, greedy_batch(model, ids, max_new_tokens, stops, pad)):
-                f.write(json.dumps({"id": p["id"], "prompt_ids": x, "output_ids": g}) + "\n")
+            if capture:
+                outputs, features = greedy_batch(model, ids, max_new_tokens, stops, pad, capture=capture[1])
+            else:
+                outputs, features = greedy_batch(model, ids, max_new_tokens, stops, pad), None
+            rows = [{"id": p["id"], "prompt_ids": x, "output_ids": g} for p, x, g in zip(batch, ids, outputs)]
+            f.write("".join(json.dumps(row) + "\n" for row in rows))
             f.flush()
+            if features is not None:  # after the responses: a stop in between only costs their second pass
+                save_captured(capture[0], rows, features)
     return out
 
 

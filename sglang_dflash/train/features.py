@@ -7,12 +7,18 @@ For every regenerated sequence (prompt + response) one target forward gives
                    is the target's distribution for token t + 1 (the distillation target)
 stored in bf16 safetensors shards of `shard_size` sequences with their token ids,
 offsets and prompt lengths. Shards that exist are kept, so a run resumes.
+
+Features the regeneration already captured (batched_greedy.py, from the forwards that
+generated the responses) wait in `captured/`, in the same format, and are taken from there
+instead of running the target again; the folder is removed once every shard is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -54,21 +60,69 @@ class FeatureCache:
         return seqs
 
 
+def save_shard(path: Path, ids: list[str], rows: list[tuple[list[int], int, torch.Tensor, torch.Tensor]]) -> None:
+    """rows (token ids, prompt length, context [T, F], final [T, H]) -> a shard file and its index."""
+    from safetensors.torch import save_file
+
+    offsets = [0]
+    for tokens, *_ in rows:
+        offsets.append(offsets[-1] + len(tokens))
+    save_file({"tokens": torch.tensor([t for tokens, *_ in rows for t in tokens], dtype=torch.int32),
+               "offsets": torch.tensor(offsets), "prompt_lens": torch.tensor([n for _, n, _, _ in rows]),
+               "context": torch.cat([c.to(torch.bfloat16) for _, _, c, _ in rows]).contiguous(),
+               "final": torch.cat([f.to(torch.bfloat16) for _, _, _, f in rows]).contiguous()}, str(path))
+    path.with_suffix(".json").write_text(json.dumps({"count": len(rows), "ids": ids}))
+
+
+def save_captured(root: str | Path, responses: list[dict], features: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Features captured while generating `responses` (rows of data.regenerate_*), kept for build_feature_cache."""
+    folder = Path(root) / "captured"
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [(r["prompt_ids"] + r["output_ids"], len(r["prompt_ids"]), c, f) for r, (c, f) in zip(responses, features)]
+    save_shard(folder / f"batch-{time.time_ns()}.safetensors", [r["id"] for r in responses], rows)
+
+
+class _Captured:
+    """id -> (context, final) from captured/, one file loaded at a time."""
+
+    def __init__(self, folder: Path):
+        self.where = {}
+        for meta in sorted(folder.glob("batch-*.json")):
+            for i, id_ in enumerate(json.loads(meta.read_text())["ids"]):
+                self.where[id_] = (meta.with_suffix(".safetensors"), i)
+        self.path, self.tensors = None, None
+
+    def get(self, id_: str, tokens: list[int]):
+        if id_ not in self.where:
+            return None
+        from safetensors.torch import load_file
+
+        path, i = self.where[id_]
+        if path != self.path:
+            self.path, self.tensors = path, load_file(str(path))
+        t = self.tensors
+        a, b = t["offsets"][i].item(), t["offsets"][i + 1].item()
+        if t["tokens"][a:b].tolist() != tokens:
+            raise ValueError(f"{path}: the captured features of {id_!r} are for other tokens than its response")
+        return t["context"][a:b], t["final"][a:b]
+
+
 @torch.no_grad()
 def build_feature_cache(target, responses: list[dict], layer_ids: list[int], root: str | Path,
                         shard_size: int = 256, max_len: int = 2048, progress: bool = True) -> FeatureCache:
-    """Run the target over every response (rows of data.regenerate_*) and cache its features."""
-    from safetensors.torch import save_file
-
+    """Run the target over every response (rows of data.regenerate_*) and cache its features, taking those
+    the regeneration captured where they exist."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     (root / "layers.json").write_text(json.dumps({"target_layer_ids": layer_ids}))
+    captured = _Captured(root / "captured")
     shards = [responses[i:i + shard_size] for i in range(0, len(responses), shard_size)]
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=len(responses), desc="features", dynamic_ncols=True)
+    device = next(target.parameters()).device
     for n, rows in enumerate(shards):
         path = root / f"shard-{n:05d}.safetensors"
         meta_path = path.with_suffix(".json")
@@ -77,21 +131,20 @@ def build_feature_cache(target, responses: list[dict], layer_ids: list[int], roo
             if bar:
                 bar.update(len(rows))
             continue
-        tokens, prompt_lens, context, final, offsets = [], [], [], [], [0]
-        device = next(target.parameters()).device
+        out_rows = []
         for r in rows:
-            seq = torch.tensor((r["prompt_ids"] + r["output_ids"])[:max_len])
-            out = target(input_ids=seq[None].to(device), output_hidden_states=True, logits_to_keep=1)
-            tokens.append(seq.to(torch.int32))
-            prompt_lens.append(len(r["prompt_ids"]))
-            context.append(target_features(out.hidden_states, layer_ids)[0].to("cpu", torch.bfloat16))
-            final.append(out.hidden_states[-1][0].to("cpu", torch.bfloat16))
-            offsets.append(offsets[-1] + seq.numel())
+            tokens = r["prompt_ids"] + r["output_ids"]
+            got = captured.get(r["id"], tokens)
+            if got is None:
+                out = target(input_ids=torch.tensor(tokens[:max_len])[None].to(device), output_hidden_states=True,
+                             logits_to_keep=1)
+                got = (target_features(out.hidden_states, layer_ids)[0].to("cpu", torch.bfloat16),
+                       out.hidden_states[-1][0].to("cpu", torch.bfloat16))
+            out_rows.append((tokens[:max_len], len(r["prompt_ids"]), got[0][:max_len], got[1][:max_len]))
             if bar:
                 bar.update(1)
-        save_file({"tokens": torch.cat(tokens), "offsets": torch.tensor(offsets), "prompt_lens": torch.tensor(prompt_lens),
-                   "context": torch.cat(context).contiguous(), "final": torch.cat(final).contiguous()}, str(path))
-        meta_path.write_text(json.dumps({"count": len(rows), "ids": ids}))
+        save_shard(path, ids, out_rows)
     if bar:
         bar.close()
+    shutil.rmtree(root / "captured", ignore_errors=True)  # every captured row is in a shard now
     return FeatureCache(root)

@@ -52,13 +52,18 @@ def load_target(path: str, dtype: torch.dtype):
     return model, tok
 
 
-def regenerate(r: Recipe, tok, target=None) -> list[dict]:
+def regenerate(r: Recipe, tok, target=None, layer_ids: list[int] | None = None) -> list[dict]:
+    """The target's responses to the prompt set; with the hf generator in the feature dtype, the features of
+    layer_ids are captured on the way (features.build_feature_cache takes them from work/features/captured)."""
     prompts = [p for f in r.prompts for p in data.read_prompts(f, r.num_prompts)]
     out = Path(r.work) / "responses.jsonl"
     if r.generator == "hf":  # batches of gen_concurrency prompts, in gen_dtype
         dtype = getattr(torch, r.gen_dtype)
-        model = target if target is not None and target.dtype == dtype else load_target(r.target, dtype)[0].to(r.device)
-        data.regenerate_with_hf(model, tok, prompts, out, r.max_new_tokens, batch_size=r.gen_concurrency)
+        same = target is not None and target.dtype == dtype
+        model = target if same else load_target(r.target, dtype)[0].to(r.device)
+        capture = (Path(r.work) / "features", layer_ids) if same and layer_ids else None
+        data.regenerate_with_hf(model, tok, prompts, out, r.max_new_tokens, batch_size=r.gen_concurrency,
+                                capture=capture)
     elif r.server_url:
         data.regenerate_with_server(r.server_url, tok, prompts, out, r.max_new_tokens, r.gen_concurrency)
     elif data.missing_responses(prompts, out):
@@ -102,7 +107,7 @@ def run(r: Recipe) -> dict:
     cfg.check_target(target.config)
     torch.manual_seed(r.fit.seed)
     draft = initial_draft(r, cfg, target)  # before the long phases: a bad --init fails at once
-    responses = regenerate(r, tok, target)
+    responses = regenerate(r, tok, target, cfg.target_layer_ids)
     cache = build_feature_cache(target, responses, cfg.target_layer_ids, work / "features")
     seqs = cache.load()
 
