@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Train (or resume training) the SmolLM2-135M-Instruct DFlash draft that the demo ships, in two stages
+# Train (or resume training) the SmolLM2-135M-Instruct DFlash draft that the demo ships, in three stages
 # (see launch/drafts/SmolLM2-135M-Instruct-DFlash/README.md for what each reached and how long it took).
 # Every phase of each stage resumes: re-run this same command after an interruption.
 #   stage 1: 597 gsm8k_train prompts, from copies of the target's last 3 layers, stopped at step 4,250
 #            work: $SGLANG_DFLASH_HOME/train/smollm2          draft: $SGLANG_DFLASH_HOME/train/smollm2-stage1
 #   stage 2: 1,536 gsm8k_train prompts (the first 597 among them), continuing from stage 1's draft
-#            work: $SGLANG_DFLASH_HOME/train/smollm2-stage2   draft: launch/drafts/SmolLM2-135M-Instruct-DFlash
-# Extra arguments go to stage 2's `sglang-dflash train` (e.g. --stop-at 1000 to pause after step 1000).
+#            work: $SGLANG_DFLASH_HOME/train/smollm2-stage2   draft: $SGLANG_DFLASH_HOME/train/smollm2-stage2-draft
+#   stage 3: 3,584 gsm8k_train prompts (stage 2's 1,536 first: their responses and features are reused),
+#            continuing from stage 2's draft
+#            work: $SGLANG_DFLASH_HOME/train/smollm2-stage3   draft: launch/drafts/SmolLM2-135M-Instruct-DFlash
+# A stage is skipped when its draft has reached its last step. Extra arguments go to stage 3's
+# `sglang-dflash train` (e.g. --stop-at 500 to pause after step 500).
 # On the project's 2-core CPU machine run nothing else heavy meanwhile: two busy processes (a server,
 # this trainer) slow each other down by an order of magnitude.
 set -euo pipefail
@@ -18,16 +22,32 @@ target="$("$ROOT/.venv/bin/sglang-dflash" prepare-target smollm2 --out "$HOME_DI
 common=(--target "$target" --prompts "$PROMPTS" --max-new-tokens 256 --mask-token-id 16 --num-layers 3
         --block-size 16 --lr 5e-4 --warmup 100 --seqs-per-step 4 --blocks-per-seq 32 --kl-weight 1.0 --heldout 32)
 
+last_step() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["step"])' "$1/training_state.json" 2>/dev/null || true; }
+
 stage1="$HOME_DIR/train/smollm2-stage1"
-if [ "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["step"])' "$stage1/training_state.json" 2>/dev/null)" != 4250 ]; then
+if [ "$(last_step "$stage1")" != 4250 ]; then
   "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --num-prompts 597 \
     --generator sglang --gen-dtype float32 --gen-concurrency 48 --feature-dtype float32 --init target \
     --steps 6000 --stop-at 4250 --gamma 7 --autocast on --eval-every 250 --save-every 250 --keep-best false \
     --out "$stage1" --work "$HOME_DIR/train/smollm2"
 fi
 
-# float32 throughout: stage 2 ran on a CPU without AVX-512 (bf16 products 5x slower than float32 there)
-exec "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --num-prompts 1536 \
-  --generator hf --gen-dtype float32 --gen-concurrency 128 --feature-dtype float32 --init "$stage1" \
-  --steps 1750 --gamma 4 --autocast false --eval-every 500 --save-every 250 \
-  --out "$ROOT/launch/drafts/SmolLM2-135M-Instruct-DFlash" --work "$HOME_DIR/train/smollm2-stage2" "$@"
+# stages 2 and 3 in float32: they ran on a CPU without AVX-512 (bf16 products 5x slower than float32 there)
+stage2="$HOME_DIR/train/smollm2-stage2-draft"
+if [ ! -e "$stage2/TRAINING.json" ]; then  # written when a run of `train` has finished
+  "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --num-prompts 1536 \
+    --generator hf --gen-dtype float32 --gen-concurrency 128 --feature-dtype float32 --init "$stage1" \
+    --steps 1750 --gamma 4 --autocast false --eval-every 500 --save-every 250 \
+    --out "$stage2" --work "$HOME_DIR/train/smollm2-stage2"
+fi
+
+work3="$HOME_DIR/train/smollm2-stage3"
+if [ ! -e "$work3/responses.jsonl" ]; then  # stage 2's responses and feature shards are stage 3's first 1,536
+  mkdir -p "$work3/features"
+  cp "$HOME_DIR/train/smollm2-stage2/responses.jsonl" "$work3/"
+  cp -al "$HOME_DIR/train/smollm2-stage2/features/." "$work3/features/"
+fi
+exec "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --num-prompts 3584 \
+  --generator hf --gen-dtype float32 --gen-concurrency 128 --feature-dtype float32 --init "$stage2" \
+  --steps 1250 --lr 4e-4 --warmup 50 --gamma 4 --autocast false --eval-every 250 --save-every 250 \
+  --out "$ROOT/launch/drafts/SmolLM2-135M-Instruct-DFlash" --work "$work3" "$@"
