@@ -112,13 +112,14 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, stops: li
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     cache = KVBuffer(cfg.num_hidden_layers, bs, cfg.num_key_value_heads, total, head_dim,
                      next(model.parameters()).dtype, device)
-    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(bs)]  # captured states per prompt
+    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(bs)]  # per prompt: ([n, F], [n, H]) pieces
 
-    def keep_states(states, rows, take):  # states of batch rows `take` (bool [bs]) for the prompts `rows`
+    def keep_states(states, rows: list[int], columns: list[slice | None]):  # batch row j's columns[j] for prompt rows[j]
         if states is not None:
             ctx, fin = (t.to("cpu", torch.bfloat16) for t in states)
-            for j in take.nonzero().view(-1).tolist():
-                parts[rows[j]].append((ctx[j], fin[j]))
+            for j, (r, c) in enumerate(zip(rows, columns)):
+                if c is not None:
+                    parts[r].append((ctx[j, c], fin[j, c]))
 
     old = cfg._attn_implementation
     cfg._attn_implementation = ATTENTION  # what the attention modules look up at every call
@@ -129,9 +130,7 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, stops: li
         mask |= torch.eye(width, dtype=torch.bool, device=device)[None, None]  # padding rows attend to themselves
         logits, states = _forward(model, ids, positions, mask, cache, layers)
         token = logits.argmax(-1)  # [bs]
-        if states is not None:
-            for r, p in enumerate(pads.tolist()):  # the prompt's real columns only
-                parts[r].append((states[0][r, p:].to("cpu", torch.bfloat16), states[1][r, p:].to("cpu", torch.bfloat16)))
+        keep_states(states, list(range(bs)), [slice(p, None) for p in pads.tolist()])  # the prompts' real columns
         rows = torch.arange(bs, device=device)  # which prompt each row of the batch is
         closed = torch.zeros(bs, dtype=torch.bool, device=device)  # rows whose output has ended
         outputs: list[list[int]] = [[] for _ in range(bs)]
@@ -152,7 +151,7 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, stops: li
             col = cache.length
             mask = valid[:, None, None, : col + 1]  # [bs, 1, 1, col + 1]
             logits, states = _forward(model, token[:, None], (col - pads)[:, None], mask, cache, layers)
-            keep_states(None if states is None else (states[0][:, 0], states[1][:, 0]), rows.tolist(), fresh)
+            keep_states(states, rows.tolist(), [slice(0, 1) if f else None for f in fresh.tolist()])
             if last:
                 break
             token = logits.argmax(-1)
@@ -162,8 +161,7 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, stops: li
         return outputs
     features = []
     for r in range(bs):
-        ctx = torch.cat([parts[r][0][0]] + [c[None] for c, _ in parts[r][1:]])
-        fin = torch.cat([parts[r][0][1]] + [f[None] for _, f in parts[r][1:]])
+        ctx, fin = torch.cat([c for c, _ in parts[r]]), torch.cat([f for _, f in parts[r]])
         assert ctx.shape[0] == len(prompts[r]) + len(outputs[r]), (ctx.shape, len(prompts[r]), len(outputs[r]))
         features.append((ctx, fin))
     return outputs, features
