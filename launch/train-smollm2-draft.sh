@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train (or resume training) the SmolLM2-135M-Instruct DFlash draft that the demo ships, in three stages
+# Train (or resume training) the SmolLM2-135M-Instruct DFlash draft that the demo ships, in four stages
 # (see launch/drafts/SmolLM2-135M-Instruct-DFlash/README.md for what each reached and how long it took).
 # Every phase of each stage resumes: re-run this same command after an interruption.
 #   stage 1: 597 gsm8k_train prompts, from copies of the target's last 3 layers, stopped at step 4,250
@@ -8,8 +8,10 @@
 #            work: $SGLANG_DFLASH_HOME/train/smollm2-stage2   draft: $SGLANG_DFLASH_HOME/train/smollm2-stage2-draft
 #   stage 3: 3,584 gsm8k_train prompts (stage 2's 1,536 first: their responses and features are reused),
 #            continuing from stage 2's draft
-#            work: $SGLANG_DFLASH_HOME/train/smollm2-stage3   draft: launch/drafts/SmolLM2-135M-Instruct-DFlash
-# A stage is skipped when its draft has reached its last step. Extra arguments go to stage 3's
+#            work: $SGLANG_DFLASH_HOME/train/smollm2-stage3   draft: $SGLANG_DFLASH_HOME/train/smollm2-stage3-draft
+#   stage 4: 6,016 gsm8k_train prompts (stage 3's 3,584 first, reused likewise), continuing from stage 3's draft
+#            work: $SGLANG_DFLASH_HOME/train/smollm2-stage4   draft: launch/drafts/SmolLM2-135M-Instruct-DFlash
+# A stage is skipped when its draft has reached its last step. Extra arguments go to stage 4's
 # `sglang-dflash train` (e.g. --stop-at 500 to pause after step 500).
 # On the project's 2-core CPU machine run nothing else heavy meanwhile: two busy processes (a server,
 # this trainer) slow each other down by an order of magnitude.
@@ -47,7 +49,21 @@ if [ ! -e "$work3/responses.jsonl" ]; then  # stage 2's responses and feature sh
   cp "$HOME_DIR/train/smollm2-stage2/responses.jsonl" "$work3/"
   cp -al "$HOME_DIR/train/smollm2-stage2/features/." "$work3/features/"
 fi
-exec "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --num-prompts 3584 \
-  --generator hf --gen-dtype float32 --gen-concurrency 128 --feature-dtype float32 --init "$stage2" \
+stage3="$HOME_DIR/train/smollm2-stage3-draft"
+if [ ! -e "$stage3/TRAINING.json" ]; then
+  "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --num-prompts 3584 \
+    --generator hf --gen-dtype float32 --gen-concurrency 128 --feature-dtype float32 --init "$stage2" \
+    --steps 1250 --lr 4e-4 --warmup 50 --gamma 4 --autocast false --eval-every 250 --save-every 250 \
+    --out "$stage3" --work "$work3"
+fi
+
+work4="$HOME_DIR/train/smollm2-stage4"
+if [ ! -e "$work4/responses.jsonl" ]; then  # stage 3's responses and feature shards are stage 4's first 3,584
+  mkdir -p "$work4/features"
+  cp "$work3/responses.jsonl" "$work4/"
+  cp -al "$work3/features/." "$work4/features/"
+fi
+exec "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --num-prompts 6016 \
+  --generator hf --gen-dtype float32 --gen-concurrency 128 --feature-dtype float32 --init "$stage3" \
   --steps 1250 --lr 4e-4 --warmup 50 --gamma 4 --autocast false --eval-every 250 --save-every 250 \
-  --out "$ROOT/launch/drafts/SmolLM2-135M-Instruct-DFlash" --work "$work3" "$@"
+  --out "$ROOT/launch/drafts/SmolLM2-135M-Instruct-DFlash" --work "$work4" "$@"
