@@ -24,6 +24,15 @@ target="$("$ROOT/.venv/bin/sglang-dflash" prepare-target smollm2 --out "$HOME_DI
 common=(--target "$target" --prompts "$PROMPTS" --max-new-tokens 256 --mask-token-id 16 --num-layers 3
         --block-size 16 --lr 5e-4 --warmup 100 --seqs-per-step 4 --blocks-per-seq 32 --kl-weight 1.0 --heldout 32)
 
+# a stage's work folder starts with the stage before's responses and feature shards (hard links)
+seed_work() {  # seed_work EARLIER_WORK WORK
+  if [ ! -e "$2/responses.jsonl" ]; then
+    mkdir -p "$2/features"
+    cp "$1/responses.jsonl" "$2/"
+    cp -al "$1/features/." "$2/features/"
+  fi
+}
+
 last_step() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["step"])' "$1/training_state.json" 2>/dev/null || true; }
 
 stage1="$HOME_DIR/train/smollm2-stage1"
@@ -34,7 +43,7 @@ if [ "$(last_step "$stage1")" != 4250 ]; then
     --out "$stage1" --work "$HOME_DIR/train/smollm2"
 fi
 
-# stages 2 and 3 in float32: they ran on a CPU without AVX-512 (bf16 products 5x slower than float32 there)
+# stages 2 to 4 in float32: they ran on a CPU without AVX-512 (bf16 products 5x slower than float32 there)
 stage2="$HOME_DIR/train/smollm2-stage2-draft"
 if [ ! -e "$stage2/TRAINING.json" ]; then  # written when a run of `train` has finished
   "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --num-prompts 1536 \
@@ -44,11 +53,7 @@ if [ ! -e "$stage2/TRAINING.json" ]; then  # written when a run of `train` has f
 fi
 
 work3="$HOME_DIR/train/smollm2-stage3"
-if [ ! -e "$work3/responses.jsonl" ]; then  # stage 2's responses and feature shards are stage 3's first 1,536
-  mkdir -p "$work3/features"
-  cp "$HOME_DIR/train/smollm2-stage2/responses.jsonl" "$work3/"
-  cp -al "$HOME_DIR/train/smollm2-stage2/features/." "$work3/features/"
-fi
+seed_work "$HOME_DIR/train/smollm2-stage2" "$work3"  # stage 2's 1,536 responses come first
 stage3="$HOME_DIR/train/smollm2-stage3-draft"
 if [ ! -e "$stage3/TRAINING.json" ]; then
   "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --num-prompts 3584 \
@@ -58,11 +63,7 @@ if [ ! -e "$stage3/TRAINING.json" ]; then
 fi
 
 work4="$HOME_DIR/train/smollm2-stage4"
-if [ ! -e "$work4/responses.jsonl" ]; then  # stage 3's responses and feature shards are stage 4's first 3,584
-  mkdir -p "$work4/features"
-  cp "$work3/responses.jsonl" "$work4/"
-  cp -al "$work3/features/." "$work4/features/"
-fi
+seed_work "$work3" "$work4"  # stage 3's 3,584 come first
 exec "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --num-prompts 6016 \
   --generator hf --gen-dtype float32 --gen-concurrency 128 --feature-dtype float32 --init "$stage3" \
   --steps 1250 --lr 4e-4 --warmup 50 --gamma 4 --autocast false --eval-every 250 --save-every 250 \
