@@ -142,6 +142,27 @@ def test_feature_cache_takes_the_captured_features(tiny_qwen3_path, tmp_path):
         build_feature_cache(model, rows, [0, 1], tmp_path / "g", progress=False)
 
 
+def test_a_rewritten_shard_leaves_its_hard_links_alone(tmp_path):
+    """A stage's work folder starts with hard links to the stage before's shards; rebuilding a shard there (the
+    last one, when the prompt count grows past it) must not change the earlier folder's copy."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from sglang_dflash.train.features import save_shard
+
+    row = lambda n, value: ([1] * n, 1, torch.full((n, 6), value), torch.full((n, 3), value))  # noqa: E731
+    save_shard(tmp_path / "old.safetensors", ["a"], [row(4, 1.0)])
+    os.link(tmp_path / "old.safetensors", tmp_path / "new.safetensors")
+    os.link(tmp_path / "old.json", tmp_path / "new.json")
+    save_shard(tmp_path / "new.safetensors", ["a", "b"], [row(4, 1.0), row(2, 2.0)])
+    assert json.loads((tmp_path / "old.json").read_text())["ids"] == ["a"]
+    assert load_file(str(tmp_path / "old.safetensors"))["tokens"].numel() == 4
+    assert json.loads((tmp_path / "new.json").read_text())["ids"] == ["a", "b"]
+    assert load_file(str(tmp_path / "new.safetensors"))["tokens"].numel() == 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.json", "new.safetensors", "old.json", "old.safetensors"]
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tiny_qwen3_path, prompts, tmp_path_factory):
     """A short real recipe run on tiny-qwen3 (Transformers regeneration, float32 features), paused halfway

@@ -61,17 +61,25 @@ class FeatureCache:
 
 
 def save_shard(path: Path, ids: list[str], rows: list[tuple[list[int], int, torch.Tensor, torch.Tensor]]) -> None:
-    """rows (token ids, prompt length, context [T, F], final [T, H]) -> a shard file and its index."""
+    """rows (token ids, prompt length, context [T, F], final [T, H]) -> a shard file and its index.
+
+    Each file is written under a temporary name and then renamed over the old one: an interrupted write
+    leaves no half shard, and a shard hard-linked from an earlier stage's work folder (as
+    launch/train-smollm2-draft.sh seeds them) is replaced here, not overwritten there."""
     from safetensors.torch import save_file
 
     offsets = [0]
     for tokens, *_ in rows:
         offsets.append(offsets[-1] + len(tokens))
+    tmp = path.with_name(path.name + ".tmp")
     save_file({"tokens": torch.tensor([t for tokens, *_ in rows for t in tokens], dtype=torch.int32),
                "offsets": torch.tensor(offsets), "prompt_lens": torch.tensor([n for _, n, _, _ in rows]),
                "context": torch.cat([c.to(torch.bfloat16) for _, _, c, _ in rows]).contiguous(),
-               "final": torch.cat([f.to(torch.bfloat16) for _, _, _, f in rows]).contiguous()}, str(path))
-    path.with_suffix(".json").write_text(json.dumps({"count": len(rows), "ids": ids}))
+               "final": torch.cat([f.to(torch.bfloat16) for _, _, _, f in rows]).contiguous()}, str(tmp))
+    tmp.replace(path)
+    index, tmp = path.with_suffix(".json"), path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"count": len(rows), "ids": ids}))
+    tmp.replace(index)  # last: the index names the ids of a complete shard
 
 
 def save_captured(root: str | Path, responses: list[dict], features: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
