@@ -1,4 +1,4 @@
-"""The `sglang-dflash` command: serve, doctor, prepare-target, train, eval-draft, bench, demo."""
+"""The `sglang-dflash` command: serve, doctor, prepare-target, train, prompt-variants, eval-draft, bench, demo."""
 
 from __future__ import annotations
 
@@ -76,6 +76,16 @@ def cmd_train(args) -> int:
                     fit=fit, device=args.device)
     metrics = run(recipe)
     print(json.dumps(metrics, indent=2))
+    return 0
+
+
+def cmd_prompt_variants(args) -> int:
+    from sglang_dflash.train.data import number_variants, read_prompts
+
+    rows = number_variants(read_prompts(args.prompts, args.num_prompts), args.copies, args.seed)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    print(f"{args.out}: {len(rows)} prompts (up to {args.copies} variants of each prompt with a number in it)")
     return 0
 
 
@@ -165,6 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=f"default {f.default}")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("prompt-variants", help="more training prompts: copies of a prompt set with other numbers")
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--copies", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_prompt_variants)
     p = sub.add_parser("eval-draft", help="τ and per-row acceptance of a draft (Transformers backend)")
     p.add_argument("--target", required=True)
     p.add_argument("--draft", required=True)

@@ -142,6 +142,28 @@ def test_feature_cache_takes_the_captured_features(tiny_qwen3_path, tmp_path):
         build_feature_cache(model, rows, [0, 1], tmp_path / "g", progress=False)
 
 
+def test_number_variants():
+    """prompt-variants: every whole number of 2 and up becomes another near it, nothing else changes (decimals,
+    ordinals, words, thousands separators kept); a prompt without such a number gives no variant; the same seed
+    gives the same prompts."""
+    import re
+
+    from sglang_dflash.train.data import number_variants
+
+    rows = [{"id": "a", "prompt": "Sam has 48 clips, sells 12 at $1,250 each, 2.5 kg, 3rd place, 100% and 1 pear."},
+            {"id": "b", "prompt": "Ten apples and one pear."}]
+    variants = number_variants(rows, copies=3, seed=7)
+    assert [v["id"] for v in variants] == ["a-v1", "a-v2", "a-v3"]
+    assert variants == number_variants(rows, copies=3, seed=7) != number_variants(rows, copies=3, seed=8)
+    pattern = r"Sam has (\d+) clips, sells (\d+) at \$([\d,]+) each, 2\.5 kg, 3rd place, (\d+)% and 1 pear\."
+    for v in variants:
+        got = re.fullmatch(pattern, v["prompt"])
+        assert got, v["prompt"]
+        for new, old in zip(got.groups(), (48, 12, 1250, 100)):
+            assert int(new.replace(",", "")) != old and old // 2 <= int(new.replace(",", "")) <= old * 3 // 2
+            assert new == f"{int(new.replace(',', '')):,}"  # a separator where the number has thousands
+
+
 def test_a_rewritten_shard_leaves_its_hard_links_alone(tmp_path):
     """A stage's work folder starts with hard links to the stage before's shards; rebuilding a shard there (the
     last one, when the prompt count grows past it) must not change the earlier folder's copy."""

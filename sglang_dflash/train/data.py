@@ -13,6 +13,7 @@ already in the file are skipped.
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Iterable
@@ -34,6 +35,38 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
             if limit is not None and len(rows) >= limit:
                 break
     return rows
+
+
+_INTEGER = re.compile(r"(?<![\w.,])\d{1,3}(?:,\d{3})+(?![\w.,]?\d)|(?<![\w.,])\d+(?![\w]|[.,]\d)")
+
+
+def number_variants(rows: list[dict], copies: int, seed: int = 0) -> list[dict]:
+    """More prompts of the same kind: each prompt `copies` times with every whole number in it (2 and up,
+    not in a decimal or a word) replaced by another of about its size, drawn with `seed`. For word problems
+    (gsm8k_train) the target answers a variant much as it answers the original, with other numbers in the
+    sums, which is what a draft for that target must learn; the text around the numbers is unchanged.
+    Ids are the original's with "-v1", "-v2", … appended; prompts with no such number are left out."""
+    import random
+
+    rng = random.Random(seed)
+
+    def other(match: re.Match) -> str:
+        text = match.group(0)
+        n = int(text.replace(",", ""))
+        if n < 2:
+            return text
+        low, high = max(2, n // 2), max(n + 1, n * 3 // 2)
+        pick = rng.randint(low, high - 1)
+        pick = pick + 1 if pick >= n else pick  # never the number itself
+        return f"{pick:,}" if "," in text else str(pick)
+
+    out = []
+    for k in range(1, copies + 1):
+        for row in rows:
+            prompt = _INTEGER.sub(other, row["prompt"])
+            if prompt != row["prompt"]:  # a prompt with no number to change gives no new prompt
+                out.append({"id": f"{row['id']}-v{k}", "prompt": prompt})
+    return out
 
 
 def chat_ids(tokenizer, prompt: str, enable_thinking: bool | None = None) -> list[int]:
