@@ -206,6 +206,7 @@ def tiny_run(tiny_qwen3_path, prompts, tmp_path_factory):
     straight = recipe("straight")
     paused = recipe("paused", stop_at=300)
     first = run(paused)
+    paused_card = (base / "paused" / "TRAINING.json").exists()  # written only when a run finishes
     # the responses and features are cached; the resumed run reuses the same folder, the straight run a copy
     # (the paused run captured its features while regenerating; a second pass would round a few differently)
     shutil.copytree(base / "work-paused" / "features", base / "work-straight" / "features")
@@ -213,7 +214,8 @@ def tiny_run(tiny_qwen3_path, prompts, tmp_path_factory):
     run_straight = run(straight)
     paused.fit.stop_at = 0
     resumed = run(paused)
-    return dict(base=base, file=file, first=first, straight=run_straight, resumed=resumed, recipe=straight)
+    return dict(base=base, file=file, first=first, straight=run_straight, resumed=resumed, recipe=straight,
+                paused_card=paused_card)
 
 
 def test_training_lowers_the_loss_and_raises_tau(tiny_run, tiny_qwen3_path):
@@ -292,6 +294,7 @@ def evaluate_walk(draft, frozen, seq, length):
 
 def test_a_resumed_run_continues_where_it_paused(tiny_run):
     assert tiny_run["first"]["step"] == 300 and tiny_run["resumed"]["step"] == 600
+    assert not tiny_run["paused_card"] and (tiny_run["base"] / "paused" / "TRAINING.json").exists()
     a = (tiny_run["base"] / "straight" / "model.safetensors").read_bytes()
     b = (tiny_run["base"] / "paused" / "model.safetensors").read_bytes()
     assert a == b, "pausing at step 300 and resuming did not give the uninterrupted run's weights"

@@ -115,7 +115,8 @@ def run(r: Recipe) -> dict:
                     target.get_output_embeddings().weight.float().cpu(), training_vocab(seqs, cfg.vocab_size))
     del target
     metrics = fit(draft, frozen, seqs, r.fit, work, r.out, device=r.device)
-    write_card(r, metrics, len(seqs), sum(s.tokens.numel() - s.prompt_len for s in seqs))
+    if metrics.get("step") == r.fit.steps:  # finished: a run paused by --stop-at writes no card
+        write_card(r, metrics, len(seqs), sum(s.tokens.numel() - s.prompt_len for s in seqs))
     return metrics
 
 
@@ -138,6 +139,8 @@ def initial_draft(r: Recipe, cfg: DraftConfig, target) -> DFlashDraftModel:
 
 
 def write_card(r: Recipe, metrics: dict, num_seqs: int, num_tokens: int) -> None:
+    """out/TRAINING.json: the recipe, the data's size and the last metrics, written when the run has finished
+    (launch/train-smollm2-draft.sh takes it as the sign that a stage is done)."""
     card = Path(r.out) / "TRAINING.json"
     card.write_text(json.dumps({"recipe": dataclasses.asdict(r), "sequences": num_seqs,
                                 "response_tokens": num_tokens, "final": metrics}, indent=2) + "\n")
