@@ -282,6 +282,13 @@ def test_replayed_acceptance_equals_real_decoding(tiny_run, tiny_qwen3_path, tmp
         fresh.append(replay_steps(target, draft, seq.tokens, seq.prompt_len, length))
     print("held-out walk over cached features:", cached)
     assert sum(a == b for a, b in zip(cached, fresh)) >= 6
+    # the lockstep walk (eval-draft's replay runs it) is the walks one by one
+    from sglang_dflash.train.evaluate import replay_walks
+
+    together = replay_walks(draft, lambda ids: frozen.embed[ids], frozen.head, [s.tokens for s in seqs[:8]],
+                            [s.context for s in seqs[:8]], [s.prompt_len for s in seqs[:8]],
+                            [s.tokens.numel() - s.prompt_len - (B - 1) for s in seqs[:8]])
+    assert together == cached
     assert math.isclose(trainer.heldout_decoding_tau(draft, frozen, seqs[:8], "cpu"),
                         sum(map(sum, cached)) / sum(map(len, cached)))
 

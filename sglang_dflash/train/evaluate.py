@@ -114,6 +114,48 @@ def replay_walk(draft, embed, head: torch.Tensor, seq: torch.Tensor, features: t
 
 
 @torch.no_grad()
+def replay_walks(draft, embed, head: torch.Tensor, seqs: list[torch.Tensor], features: list[torch.Tensor],
+                 prompt_lens: list[int], lengths: list[int]) -> list[list[int]]:
+    """replay_walk for many sequences in lockstep: one draft forward per step for every walk still going
+    (a walk of n steps costs n forwards alone; together they cost as many as the longest). Rows are padded
+    to the longest sequence; a row's block attends to its own context before its start (mask), so each walk
+    is replay_walk's up to float rounding (test_train checks the two agree)."""
+    cfg = draft.config
+    B, n, device, dtype = cfg.block_size, len(seqs), seqs[0].device, next(draft.parameters()).dtype
+    T = max(s.numel() for s in seqs)
+    tokens = torch.zeros(n, T + B, dtype=torch.long, device=device)  # [n, T + B]: past a row's end, padding
+    feats = torch.zeros(n, T, features[0].shape[-1], dtype=dtype, device=device)  # [n, T, F]
+    ends = torch.tensor([s.numel() for s in seqs], device=device)
+    for i, (s, f) in enumerate(zip(seqs, features)):
+        tokens[i, :s.numel()], feats[i, :s.numel()] = s, f.to(device, dtype)
+    ctx = draft.context_kv(feats, torch.arange(T, device=device).expand(n, T))  # per layer [n, kvh, T, d]
+    start = torch.tensor(prompt_lens, device=device)
+    generated = torch.ones(n, dtype=torch.long, device=device)  # the prefill gives the first token
+    todo = torch.tensor(lengths, device=device)
+    steps: list[list[int]] = [[] for _ in range(n)]
+    offsets = torch.arange(B, device=device)
+    while bool((generated < todo).any()):
+        rows = (generated < todo).nonzero().flatten()  # [m] walks still going
+        m, at = rows.numel(), start[rows]
+        ids = torch.full((m, B), cfg.mask_token_id, dtype=torch.long, device=device)
+        ids[:, 0] = tokens[rows, at]
+        positions = at[:, None] + offsets  # [m, B]
+        columns = torch.arange(T + B, device=device)
+        mask = (columns[None] < at[:, None]) | (columns[None] >= T)  # [m, T + B]: own context, then the block
+        context = ContextCache([k[rows] for k in ctx.keys], [v[rows] for v in ctx.values])
+        hidden = draft(embed(ids).to(dtype), positions, context, mask[:, None, None, :])[:, 1:]  # [m, B-1, H]
+        drafts = gemm.linear(hidden.reshape(m * (B - 1), -1).to(head.dtype), head).argmax(-1).view(m, B - 1)
+        where = positions[:, 1:]  # [m, B-1]: the tokens the drafts are judged against
+        match = (drafts == tokens[rows[:, None], where]) & (where < ends[rows, None])
+        accepted = match.long().cumprod(1).sum(1) + 1  # [m] accepted drafts + the target's own token
+        for r, a in zip(rows.tolist(), accepted.tolist()):
+            steps[r].append(a)
+        start[rows] += accepted
+        generated[rows] += accepted
+    return steps
+
+
+@torch.no_grad()
 def replay_greedy(target, tok, draft, prompts: list[dict], max_new_tokens: int = 256, progress: bool = True,
                   batch_size: int = 32) -> dict:
     stops, pad = stop_and_pad_ids(target, tok)
@@ -130,14 +172,19 @@ def replay_greedy(target, tok, draft, prompts: list[dict], max_new_tokens: int =
     for i in range(0, len(prompts), batch_size):
         # past the stops: decoding's last block is verified against the target's tokens after them
         runs = greedy_batch(target, ids[i:i + batch_size], max_new_tokens + B - 1, [], pad)
-        for p, x, run in zip(prompts[i:i + batch_size], ids[i:i + batch_size], runs):
-            length = next((j + 1 for j, t in enumerate(run[:max_new_tokens]) if t in stops), max_new_tokens)
-            s = replay_steps(target, draft, torch.tensor(x + run, device=device), len(x), length)
+        seqs = [torch.tensor(x + run, device=device) for x, run in zip(ids[i:i + batch_size], runs)]
+        lengths = [next((j + 1 for j, t in enumerate(run[:max_new_tokens]) if t in stops), max_new_tokens)
+                   for run in runs]
+        features = [target_features(target(input_ids=s[None], output_hidden_states=True, logits_to_keep=1)
+                                    .hidden_states, draft.config.target_layer_ids)[0] for s in seqs]  # [T, F] each
+        walks = replay_walks(draft, target.get_input_embeddings(), target.get_output_embeddings().weight, seqs,
+                             features, [len(x) for x in ids[i:i + batch_size]], lengths)
+        for p, length, s in zip(prompts[i:i + batch_size], lengths, walks):
             steps += s
             per_prompt.append({"id": p["id"], "tokens": length, "steps": len(s), "tau": sum(s) / max(len(s), 1)})
-            if bar:
-                bar.update(1)
-                bar.set_postfix(tau=f"{sum(steps) / max(len(steps), 1):.2f}")
+        if bar:
+            bar.update(len(walks))
+            bar.set_postfix(tau=f"{sum(steps) / max(len(steps), 1):.2f}")
     if bar:
         bar.close()
     return summary(steps, per_prompt, B, "replay")
