@@ -4,7 +4,8 @@ decoding (the Transformers backend, float32 by default), not on teacher-forced r
 Two methods, the same figures:
   decode  real speculative decoding, one prompt at a time (generate.spec_generate): greedy, or
           rejection sampling at a temperature.
-  replay  greedy only, faster (the target decodes many prompts at once). Greedy speculative
+  replay  greedy only, faster (the target decodes many prompts at once, and their walks below run in
+          lockstep: replay_walks). Greedy speculative
           decoding outputs the target's own greedy continuation, so its steps can be replayed
           from that continuation: the target's greedy tokens (batched, train/batched_greedy.py,
           B - 1 tokens past the end so that the last block is judged as decoding judges it), one
