@@ -84,10 +84,14 @@ def replay_steps(target, draft, seq: torch.Tensor, prompt_len: int, length: int)
     """The tokens committed by each verify step of greedy speculative decoding whose output is
     seq[prompt_len : prompt_len + length]; seq [T] continues the target's greedy tokens at least
     block_size - 1 past that (the drafts of the last block are judged against them)."""
+    return replay_walk(draft, target.get_input_embeddings(), target.get_output_embeddings().weight, seq,
+                       sequence_features(target, seq, draft.config.target_layer_ids), prompt_len, length)
+
+
+def sequence_features(target, seq: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """The target's features of seq [T] at layer_ids, from one forward -> [T, F]."""
     out = target(input_ids=seq[None], output_hidden_states=True, logits_to_keep=1)
-    features = target_features(out.hidden_states, draft.config.target_layer_ids)[0]  # [T, F]
-    return replay_walk(draft, target.get_input_embeddings(), target.get_output_embeddings().weight, seq, features,
-                       prompt_len, length)
+    return target_features(out.hidden_states, layer_ids)[0]
 
 
 @torch.no_grad()
@@ -134,14 +138,13 @@ def replay_walks(draft, embed, head: torch.Tensor, seqs: list[torch.Tensor], fea
     generated = torch.ones(n, dtype=torch.long, device=device)  # the prefill gives the first token
     todo = torch.tensor(lengths, device=device)
     steps: list[list[int]] = [[] for _ in range(n)]
-    offsets = torch.arange(B, device=device)
+    offsets, columns = torch.arange(B, device=device), torch.arange(T + B, device=device)
     while bool((generated < todo).any()):
         rows = (generated < todo).nonzero().flatten()  # [m] walks still going
         m, at = rows.numel(), start[rows]
         ids = torch.full((m, B), cfg.mask_token_id, dtype=torch.long, device=device)
         ids[:, 0] = tokens[rows, at]
         positions = at[:, None] + offsets  # [m, B]
-        columns = torch.arange(T + B, device=device)
         mask = (columns[None] < at[:, None]) | (columns[None] >= T)  # [m, T + B]: own context, then the block
         context = ContextCache([k[rows] for k in ctx.keys], [v[rows] for v in ctx.values])
         hidden = draft(embed(ids).to(dtype), positions, context, mask[:, None, None, :])[:, 1:]  # [m, B-1, H]
@@ -176,8 +179,7 @@ def replay_greedy(target, tok, draft, prompts: list[dict], max_new_tokens: int =
         seqs = [torch.tensor(x + run, device=device) for x, run in zip(ids[i:i + batch_size], runs)]
         lengths = [next((j + 1 for j, t in enumerate(run[:max_new_tokens]) if t in stops), max_new_tokens)
                    for run in runs]
-        features = [target_features(target(input_ids=s[None], output_hidden_states=True, logits_to_keep=1)
-                                    .hidden_states, draft.config.target_layer_ids)[0] for s in seqs]  # [T, F] each
+        features = [sequence_features(target, s, draft.config.target_layer_ids) for s in seqs]
         walks = replay_walks(draft, target.get_input_embeddings(), target.get_output_embeddings().weight, seqs,
                              features, [len(x) for x in ids[i:i + batch_size]], lengths)
         for p, length, s in zip(prompts[i:i + batch_size], lengths, walks):
