@@ -142,6 +142,37 @@ def test_feature_cache_takes_the_captured_features(tiny_qwen3_path, tmp_path):
         build_feature_cache(model, rows, [0, 1], tmp_path / "g", progress=False)
 
 
+def test_a_cache_of_more_layers_serves_a_draft_of_fewer(tiny_qwen3_path, tmp_path):
+    """A feature folder made (or captured) with the states of more target layers than a draft uses keeps
+    them when the recipe asks for a subset, and load(layer_ids) gives that subset's columns, in the draft's
+    order; a layer the folder lacks is refused by name, and so are captured features of another width."""
+    from transformers import AutoModelForCausalLM
+
+    from sglang_dflash.generate import target_features
+    from sglang_dflash.train.features import FeatureCache, build_feature_cache, save_captured, stored_layers
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_path, dtype=torch.float32).eval()
+    rows = [{"id": "a", "prompt_ids": [5, 6, 7], "output_ids": [8, 9]}]
+    build_feature_cache(model, rows, [0, 1], tmp_path / "f", progress=False)
+    assert stored_layers(tmp_path / "f", [1]) == [0, 1]
+    cache = build_feature_cache(model, rows, [1], tmp_path / "f", progress=False)  # kept, not rebuilt
+    assert cache.layer_ids == [0, 1]
+    with torch.no_grad():
+        hidden = model(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), output_hidden_states=True).hidden_states
+    for ids in ([0, 1], [1], [1, 0]):
+        got = FeatureCache(tmp_path / "f").load(ids)[0].context
+        assert torch.equal(got, target_features(hidden, ids)[0].to(torch.bfloat16)), ids
+    with pytest.raises(ValueError, match=r"holds the states of target layers \[0, 1\], not of all of \[2\]"):
+        FeatureCache(tmp_path / "f").load([2])
+    with pytest.raises(ValueError, match="use another work folder"):
+        build_feature_cache(model, rows, [1, 2], tmp_path / "f", progress=False)
+
+    H = model.config.hidden_size
+    save_captured(tmp_path / "g", rows, [(torch.zeros(5, 3 * H), torch.zeros(5, H))])
+    with pytest.raises(ValueError, match=r"captured features of 'a' hold 3 layers, the cache 2 \(\[0, 1\]\)"):
+        build_feature_cache(model, rows, [0, 1], tmp_path / "g", progress=False)
+
+
 def test_number_variants():
     """prompt-variants: every whole number of 2 and up becomes another near it, nothing else changes (decimals,
     ordinals, words, thousands separators kept); a prompt without such a number gives no variant; the same seed
@@ -183,6 +214,27 @@ def test_a_rewritten_shard_leaves_its_hard_links_alone(tmp_path):
     assert json.loads((tmp_path / "new.json").read_text())["ids"] == ["a", "b"]
     assert load_file(str(tmp_path / "new.safetensors"))["tokens"].numel() == 6
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new.json", "new.safetensors", "old.json", "old.safetensors"]
+
+
+def test_mapped_safetensors_equals_load_file(tmp_path):
+    """The feature cache maps its shards instead of reading them (a cache larger than memory trains): every
+    tensor equals safetensors' own reading, of every dtype the shards and a checkpoint hold, and writing to a
+    mapped tensor leaves the file as it was."""
+    from safetensors.torch import load_file, save_file
+
+    from sglang_dflash.train.features import mapped_safetensors
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a_bf16": torch.randn(7, 5, generator=gen).bfloat16(), "b_i32": torch.arange(3, dtype=torch.int32),
+               "c_i64": torch.arange(5), "d_f32": torch.randn(2, 3, 4, generator=gen),
+               "e_f16": torch.randn(3, generator=gen).half(), "f_u8": torch.arange(11, dtype=torch.uint8)}
+    save_file(tensors, str(tmp_path / "x.safetensors"), metadata={"note": "kept"})
+    got, want = mapped_safetensors(tmp_path / "x.safetensors"), load_file(str(tmp_path / "x.safetensors"))
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
+    got["d_f32"][0] = 99.0
+    assert torch.equal(load_file(str(tmp_path / "x.safetensors"))["d_f32"], tensors["d_f32"])
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,14 @@ from sglang_dflash.generate import target_features
 class Sequence:
     tokens: torch.Tensor  # [T] long
     prompt_len: int
-    context: torch.Tensor  # [T, F]
+    stored: torch.Tensor  # [T, F'] the cache's features (every layer it holds)
     final: torch.Tensor  # [T, H]
+    columns: torch.Tensor | None = None  # stored's columns that are the draft's context (None: all of them)
+
+    @property
+    def context(self) -> torch.Tensor:
+        """[T, F]: the states after the draft's target layers, concatenated."""
+        return self.stored if self.columns is None else self.stored[:, self.columns]
 
 
 class FeatureCache:
@@ -39,25 +45,63 @@ class FeatureCache:
         self.root = Path(root)
         self.shards = sorted(self.root.glob("shard-*.safetensors"))
 
+    @property
+    def layer_ids(self) -> list[int] | None:
+        """The target layers whose states the cache holds, in their order in a row; None before it is made."""
+        path = self.root / "layers.json"
+        return json.loads(path.read_text())["target_layer_ids"] if path.exists() else None
+
     def __len__(self) -> int:
         return sum(self._meta(s)["count"] for s in self.shards)
 
     def _meta(self, shard: Path) -> dict:
         return json.loads(shard.with_suffix(".json").read_text())
 
-    def load(self) -> list[Sequence]:
-        """Every cached sequence (bf16 features), in shard order."""
-        from safetensors.torch import load_file
-
+    def load(self, layer_ids: list[int] | None = None) -> list[Sequence]:
+        """Every cached sequence (bf16 features), in shard order, its context the states after layer_ids (any
+        of the cache's layers, in any order; default all of them). The features are memory-mapped, not read:
+        a cache larger than the machine's memory trains (what a step uses is read from disk then)."""
+        held = self.layer_ids
+        pick = layer_ids is not None and layer_ids != held
+        if pick and not set(layer_ids) <= set(held or []):
+            raise ValueError(f"{self.root} holds the states of target layers {held}, not of all of {layer_ids}")
         seqs = []
         for shard in self.shards:
-            t = load_file(str(shard))
+            t = mapped_safetensors(shard)
             off = t["offsets"].tolist()
+            H = t["final"].shape[1]
+            columns = torch.cat([torch.arange(H) + held.index(i) * H for i in layer_ids]) if pick else None
             for i in range(len(off) - 1):
                 a, b = off[i], off[i + 1]
                 seqs.append(Sequence(t["tokens"][a:b].long(), int(t["prompt_lens"][i]), t["context"][a:b],
-                                     t["final"][a:b]))
+                                     t["final"][a:b], columns))
         return seqs
+
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I32": torch.int32,
+           "I64": torch.int64, "U8": torch.uint8}
+
+
+def mapped_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as read-only views of a memory map of it (copy-on-write: writing
+    to them never changes the file). The format: an 8-byte little-endian header length, a JSON header
+    naming each tensor's dtype, shape and byte range in the data that follows."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    raw = torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = (8 + n + o for o in info["data_offsets"])
+        dtype = _DTYPES[info["dtype"]]
+        data = raw[begin:end]
+        if begin % dtype.itemsize:  # a view of another dtype needs an aligned start; copy this one
+            data = data.clone()
+        out[name] = data.view(dtype).view(info["shape"])
+    return out
 
 
 def save_shard(path: Path, ids: list[str], rows: list[tuple[list[int], int, torch.Tensor, torch.Tensor]]) -> None:
@@ -115,13 +159,28 @@ class _Captured:
         return t["context"][a:b], t["final"][a:b]
 
 
+def stored_layers(root: str | Path, layer_ids: list[int]) -> list[int]:
+    """The layers a feature folder holds, or will hold, for a draft of layer_ids: the folder's own where it
+    was made with more (a subset of them serves), else layer_ids."""
+    held = FeatureCache(root).layer_ids
+    if held is None or held == layer_ids:
+        return layer_ids
+    if not set(layer_ids) <= set(held):
+        raise ValueError(f"{root} holds the states of target layers {held}, not of all of {layer_ids}: "
+                         "use another work folder")
+    return held
+
+
 @torch.no_grad()
 def build_feature_cache(target, responses: list[dict], layer_ids: list[int], root: str | Path,
                         shard_size: int = 256, max_len: int = 2048, progress: bool = True) -> FeatureCache:
     """Run the target over every response (rows of data.regenerate_*) and cache its features, taking those
-    the regeneration captured where they exist."""
+    the regeneration captured where they exist. A folder whose layers.json already names more layers than
+    layer_ids, all of them among its own, keeps them: a cache made for more layers (or captured with more)
+    serves a draft of any subset (FeatureCache.load picks the columns)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
+    layer_ids = stored_layers(root, layer_ids)
     (root / "layers.json").write_text(json.dumps({"target_layer_ids": layer_ids}))
     captured = _Captured(root / "captured")
     shards = [responses[i:i + shard_size] for i in range(0, len(responses), shard_size)]
@@ -143,6 +202,9 @@ def build_feature_cache(target, responses: list[dict], layer_ids: list[int], roo
         for r in rows:
             tokens = r["prompt_ids"] + r["output_ids"]
             got = captured.get(r["id"], tokens)
+            if got is not None and got[0].shape[1] != len(layer_ids) * got[1].shape[1]:
+                raise ValueError(f"the captured features of {r['id']!r} hold {got[0].shape[1] // got[1].shape[1]} "
+                                 f"layers, the cache {len(layer_ids)} ({layer_ids})")
             if got is None:
                 out = target(input_ids=torch.tensor(tokens[:max_len])[None].to(device), output_hidden_states=True,
                              logits_to_keep=1)

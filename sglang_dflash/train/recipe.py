@@ -18,7 +18,7 @@ import torch
 from sglang_dflash.config import DraftConfig, draft_config_for_target
 from sglang_dflash.models.reference import DFlashDraftModel
 from sglang_dflash.train import data
-from sglang_dflash.train.features import build_feature_cache
+from sglang_dflash.train.features import build_feature_cache, stored_layers
 from sglang_dflash.train.trainer import FitConfig, Frozen, fit, init_from_target, training_vocab
 
 
@@ -107,9 +107,9 @@ def run(r: Recipe) -> dict:
     cfg.check_target(target.config)
     torch.manual_seed(r.fit.seed)
     draft = initial_draft(r, cfg, target)  # before the long phases: a bad --init fails at once
-    responses = regenerate(r, tok, target, cfg.target_layer_ids)
+    responses = regenerate(r, tok, target, stored_layers(work / "features", cfg.target_layer_ids))
     cache = build_feature_cache(target, responses, cfg.target_layer_ids, work / "features")
-    seqs = cache.load()
+    seqs = cache.load(cfg.target_layer_ids)
 
     frozen = Frozen(target.get_input_embeddings().weight.float().cpu(),
                     target.get_output_embeddings().weight.float().cpu(), training_vocab(seqs, cfg.vocab_size))
