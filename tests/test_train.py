@@ -449,6 +449,45 @@ def test_the_export_is_the_best_heldout_step(tiny_run, tiny_qwen3_path, tmp_path
     assert json.loads((tmp_path / "last" / "training_state.json").read_text())["step"] == 50
 
 
+def test_two_workers_train_as_one(tiny_run, tiny_qwen3_path, tmp_path):
+    """--workers 2 (train/parallel.py): two processes, each computing its share of every step's sequences
+    (3 a step, so the shares are uneven) and summing gradients, train the draft that one process trains, up to
+    the order of floating-point sums; a checkpoint of either resumes in the other."""
+    from sglang_dflash.models.reference import DFlashDraftModel
+    from sglang_dflash.train import trainer
+    from sglang_dflash.train.features import FeatureCache
+    from sglang_dflash.train.parallel import fit_parallel
+    from sglang_dflash.train.recipe import load_target
+
+    features = tiny_run["base"] / "work-straight" / "features"
+    seqs = FeatureCache(features).load()
+    target, _ = load_target(str(tiny_qwen3_path), torch.float32)
+    cfg = DFlashDraftModel.from_pretrained(tiny_run["base"] / "straight").config
+    frozen = trainer.Frozen(target.get_input_embeddings().weight, target.get_output_embeddings().weight,
+                            trainer.training_vocab(seqs, cfg.vocab_size))
+    fit_cfg = lambda **kw: trainer.FitConfig(steps=8, seqs_per_step=3, blocks_per_seq=8, lr=2e-3, warmup=2, heldout=3,
+                                             heldout_decode=2, eval_every=4, save_every=4, autocast="off", **kw)
+    start = lambda: DFlashDraftModel.random(cfg, seed=0)
+    trainer.fit(start(), frozen, seqs, fit_cfg(), tmp_path / "one", tmp_path / "one-out", progress=False)
+    fit_parallel(2, start(), frozen, features, cfg.target_layer_ids, fit_cfg(), tmp_path / "two", tmp_path / "two-out")
+    fit_parallel(2, start(), frozen, features, cfg.target_layer_ids, fit_cfg(stop_at=4), tmp_path / "mixed",
+                 tmp_path / "mixed-out")
+    trainer.fit(start(), frozen, seqs, fit_cfg(), tmp_path / "mixed", tmp_path / "mixed-out", progress=False)
+
+    log = lambda name: [json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+    for name in ("two", "mixed"):
+        assert [m["step"] for m in log(name)] == list(range(1, 9))  # one log line a step: the lead worker's
+        assert [m["loss"] for m in log(name)] == pytest.approx([m["loss"] for m in log("one")], rel=1e-5)
+        assert log(name)[-1]["heldout_tau"] == log("one")[-1]["heldout_tau"]
+        assert (tmp_path / f"{name}-out" / "model.safetensors").exists()
+    weights = lambda name: torch.load(tmp_path / name / "checkpoint.pt", weights_only=False)["model"]
+    one, two, mixed, begin = weights("one"), weights("two"), weights("mixed"), start().state_dict()
+    moved = max((one[k] - begin[k]).abs().max().item() for k in one)
+    gap = max(max((one[k] - w[k]).abs().max().item() for k in one) for w in (two, mixed))
+    print(f"8 steps moved the weights by up to {moved:.2e}; two workers differ from one by up to {gap:.2e}")
+    assert gap < 1e-3 * moved
+
+
 def test_autocast_setting():
     """bf16 autocast on, off, or auto: on only where bf16 products are native (emulated bf16 made this CPU's
     products five times slower than float32)."""

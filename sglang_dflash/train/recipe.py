@@ -19,6 +19,7 @@ from sglang_dflash.config import DraftConfig, draft_config_for_target
 from sglang_dflash.models.reference import DFlashDraftModel
 from sglang_dflash.train import data
 from sglang_dflash.train.features import build_feature_cache, stored_layers
+from sglang_dflash.train.parallel import fit_parallel
 from sglang_dflash.train.trainer import FitConfig, Frozen, fit, init_from_target, training_vocab
 
 
@@ -114,7 +115,11 @@ def run(r: Recipe) -> dict:
     frozen = Frozen(target.get_input_embeddings().weight.float().cpu(),
                     target.get_output_embeddings().weight.float().cpu(), training_vocab(seqs, cfg.vocab_size))
     del target
-    metrics = fit(draft, frozen, seqs, r.fit, work, r.out, device=r.device)
+    if r.fit.workers > 1:
+        metrics = fit_parallel(r.fit.workers, draft, frozen, work / "features", cfg.target_layer_ids, r.fit, work,
+                               r.out, device=r.device)
+    else:
+        metrics = fit(draft, frozen, seqs, r.fit, work, r.out, device=r.device)
     if metrics.get("step") == r.fit.steps:  # finished: a run paused by --stop-at writes no card
         write_card(r, metrics, len(seqs), sum(s.tokens.numel() - s.prompt_len for s in seqs))
     return metrics

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from sglang_dflash.models.reference import DFlashDraftModel
 from sglang_dflash.train.features import Sequence
+from sglang_dflash.train.parallel import all_reduce_grads, rank_and_world, usable_cores
 from sglang_dflash.train.objective import (IGNORE, accepted_prefix, block_attention_mask, block_inputs,
                                            expected_tau, position_weights, sample_anchors)
 
@@ -55,6 +56,7 @@ class FitConfig:
     autocast: str = "auto"  # bf16 autocast: on | off | auto (on where bf16 products are native, see bf16_is_native)
     stop_at: int = 0  # when > 0, pause after this step (checkpointed; the same command resumes)
     keep_best: bool = True  # export the step with the best held-out τ (False: every checkpoint's step)
+    workers: int = 1  # data-parallel processes (train/parallel.py): on a CPU each takes cores / workers threads
 
 
 def lr_at(step: int, cfg: FitConfig) -> float:
@@ -153,7 +155,10 @@ def heldout_decoding_tau(draft, frozen: Frozen, seqs: list[Sequence], device) ->
 
 def fit(draft: DFlashDraftModel, frozen: Frozen, seqs: list[Sequence], cfg: FitConfig, work: str | Path,
         out: str | Path, device="cpu", progress: bool = True) -> dict:
-    """Train draft in place (resuming from work/checkpoint.pt) and export it to out -> the last metrics."""
+    """Train draft in place (resuming from work/checkpoint.pt) and export it to out -> the last metrics.
+    Inside a process group (train/parallel.py) each worker computes its share of a step's sequences."""
+    rank, world = rank_and_world()
+    lead = rank == 0  # the worker that evaluates, exports, checkpoints and logs
     work, out = Path(work), Path(out)
     work.mkdir(parents=True, exist_ok=True)
     n_held = cfg.heldout if len(seqs) > 2 * cfg.heldout else 0
@@ -171,9 +176,9 @@ def fit(draft: DFlashDraftModel, frozen: Frozen, seqs: list[Sequence], cfg: FitC
         draft.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, metrics = state["step"], state.get("metrics", {})
-    log = open(work / "log.jsonl", "a")
+    log = open(work / "log.jsonl", "a") if lead else None
     bar = None
-    if progress:
+    if progress and lead:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=step, desc="train", dynamic_ncols=True)
@@ -189,14 +194,17 @@ def fit(draft: DFlashDraftModel, frozen: Frozen, seqs: list[Sequence], cfg: FitC
         opt.zero_grad(set_to_none=True)
         total, wsum = 0.0, 0.0
         with amp:
-            for i in picks:
+            for j, i in enumerate(picks):
                 seq = train_seqs[i]
+                # every worker draws every sequence's anchors, so the generator runs as in one process
                 anchors = sample_anchors(seq.prompt_len, seq.tokens.numel(), cfg.blocks_per_seq, gen)
-                if anchors.numel() == 0:
+                if j % world != rank or anchors.numel() == 0:
                     continue
                 loss, w = sequence_loss(draft, frozen, seq, anchors, weights, cfg, device)
                 loss.backward()
                 total, wsum = total + loss.item(), wsum + w.item()
+        if world > 1:
+            total, wsum = all_reduce_grads(params, total, wsum)
         if wsum:
             for p in params:
                 if p.grad is not None:
@@ -206,16 +214,23 @@ def fit(draft: DFlashDraftModel, frozen: Frozen, seqs: list[Sequence], cfg: FitC
         step += 1
         metrics.update(step=step, loss=total / max(wsum, 1e-9), lr=lr_at(step - 1, cfg),
                        seconds=round(time.time() - t0, 1))
-        if held and (step % cfg.eval_every == 0 or step == cfg.steps):
+        if lead and held and (step % cfg.eval_every == 0 or step == cfg.steps):
+            # the other workers wait at the next step's all-reduce: on a CPU their cores are free meanwhile
+            threads = torch.get_num_threads()
+            if world > 1 and torch.device(device).type == "cpu":
+                torch.set_num_threads(usable_cores())
             draft.eval()
             with amp:
                 metrics["heldout_tau"], metrics["heldout_accept"] = heldout_tau(draft, frozen, held, device)
                 metrics["heldout_decoding_tau"] = heldout_decoding_tau(draft, frozen, held[:cfg.heldout_decode], device)
             draft.train()
+            torch.set_num_threads(threads)
             if metrics["heldout_decoding_tau"] > metrics.get("best_heldout_decoding_tau", 0.0):
                 metrics.update(best_heldout_decoding_tau=metrics["heldout_decoding_tau"], best_step=step)
                 if cfg.keep_best:
                     export(draft, metrics, out)
+        if not lead:
+            continue
         if step % cfg.save_every == 0 or step == end:
             save_checkpoint(draft, opt, step, metrics, ckpt)
             if not (held and cfg.keep_best):
@@ -227,7 +242,8 @@ def fit(draft: DFlashDraftModel, frozen: Frozen, seqs: list[Sequence], cfg: FitC
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics.get('heldout_decoding_tau', float('nan')):.2f}")
     if bar:
         bar.close()
-    log.close()
+    if log:
+        log.close()
     draft.eval()
     return metrics
 
