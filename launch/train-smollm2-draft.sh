@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train (or resume training) the SmolLM2-135M-Instruct DFlash draft that the demo ships, in four stages
+# Train (or resume training) the SmolLM2-135M-Instruct DFlash draft that the demo ships, in five stages
 # (see launch/drafts/SmolLM2-135M-Instruct-DFlash/README.md for what each reached and how long it took).
 # Every phase of each stage resumes: re-run this same command after an interruption.
 #   stage 1: 597 gsm8k_train prompts, from copies of the target's last 3 layers, stopped at step 4,250
@@ -10,8 +10,12 @@
 #            continuing from stage 2's draft
 #            work: $SGLANG_DFLASH_HOME/train/smollm2-stage3   draft: $SGLANG_DFLASH_HOME/train/smollm2-stage3-draft
 #   stage 4: 6,016 gsm8k_train prompts (stage 3's 3,584 first, reused likewise), continuing from stage 3's draft
-#            work: $SGLANG_DFLASH_HOME/train/smollm2-stage4   draft: launch/drafts/SmolLM2-135M-Instruct-DFlash
-# A stage is skipped when its draft has reached its last step. Extra arguments go to stage 4's
+#            work: $SGLANG_DFLASH_HOME/train/smollm2-stage4   draft: $SGLANG_DFLASH_HOME/train/smollm2-stage4-draft
+#   stage 5: prompts no stage before saw: gsm8k_train's last 1,457 and a number variant of each gsm8k_train
+#            prompt (prompt-variants --copies 1 --seed 1: 7,284), continuing from stage 4's draft; generated
+#            and trained in bf16 (a CPU with AVX512-BF16; where bf16 is emulated this stage is ~3x slower)
+#            work: $SGLANG_DFLASH_HOME/train/smollm2-stage5   draft: launch/drafts/SmolLM2-135M-Instruct-DFlash
+# A stage is skipped when its draft has reached its last step. Extra arguments go to stage 5's
 # `sglang-dflash train` (e.g. --stop-at 500 to pause after step 500).
 # On the project's 2-core CPU machine run nothing else heavy meanwhile: two busy processes (a server,
 # this trainer) slow each other down by an order of magnitude.
@@ -21,7 +25,7 @@ HOME_DIR="${SGLANG_DFLASH_HOME:-$HOME/.cache/sglang-dflash}"
 PROMPTS="${SHARED_DATA:-$ROOT/../shared/data}/gsm8k_train.jsonl"
 bash "$ROOT/launch/setup.sh"
 target="$("$ROOT/.venv/bin/sglang-dflash" prepare-target smollm2 --out "$HOME_DIR/fixtures/smollm2")"
-common=(--target "$target" --prompts "$PROMPTS" --max-new-tokens 256 --mask-token-id 16 --num-layers 3
+common=(--target "$target" --max-new-tokens 256 --mask-token-id 16 --num-layers 3
         --block-size 16 --lr 5e-4 --warmup 100 --seqs-per-step 4 --blocks-per-seq 32 --kl-weight 1.0 --heldout 32)
 
 # a stage's work folder starts with the stage before's responses and feature shards (hard links)
@@ -37,7 +41,7 @@ last_step() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["s
 
 stage1="$HOME_DIR/train/smollm2-stage1"
 if [ "$(last_step "$stage1")" != 4250 ]; then
-  "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --num-prompts 597 \
+  "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --prompts "$PROMPTS" --num-prompts 597 \
     --generator sglang --gen-dtype float32 --gen-concurrency 48 --feature-dtype float32 --init target \
     --steps 6000 --stop-at 4250 --gamma 7 --autocast on --eval-every 250 --save-every 250 --keep-best false \
     --out "$stage1" --work "$HOME_DIR/train/smollm2"
@@ -46,7 +50,7 @@ fi
 # stages 2 to 4 in float32: they ran on a CPU without AVX-512 (bf16 products 5x slower than float32 there)
 stage2="$HOME_DIR/train/smollm2-stage2-draft"
 if [ ! -e "$stage2/TRAINING.json" ]; then  # written when a run of `train` has finished
-  "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --num-prompts 1536 \
+  "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --prompts "$PROMPTS" --num-prompts 1536 \
     --generator hf --gen-dtype float32 --gen-concurrency 128 --feature-dtype float32 --init "$stage1" \
     --steps 1750 --gamma 4 --autocast false --eval-every 500 --save-every 250 \
     --out "$stage2" --work "$HOME_DIR/train/smollm2-stage2"
@@ -56,7 +60,7 @@ work3="$HOME_DIR/train/smollm2-stage3"
 seed_work "$HOME_DIR/train/smollm2-stage2" "$work3"  # stage 2's 1,536 responses come first
 stage3="$HOME_DIR/train/smollm2-stage3-draft"
 if [ ! -e "$stage3/TRAINING.json" ]; then
-  "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --num-prompts 3584 \
+  "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --prompts "$PROMPTS" --num-prompts 3584 \
     --generator hf --gen-dtype float32 --gen-concurrency 128 --feature-dtype float32 --init "$stage2" \
     --steps 1250 --lr 4e-4 --warmup 50 --gamma 4 --autocast false --eval-every 250 --save-every 250 \
     --out "$stage3" --work "$work3"
@@ -64,7 +68,21 @@ fi
 
 work4="$HOME_DIR/train/smollm2-stage4"
 seed_work "$work3" "$work4"  # stage 3's 3,584 come first
-exec "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --num-prompts 6016 \
-  --generator hf --gen-dtype float32 --gen-concurrency 128 --feature-dtype float32 --init "$stage3" \
-  --steps 1250 --lr 4e-4 --warmup 50 --gamma 4 --autocast false --eval-every 250 --save-every 250 \
-  --out "$ROOT/launch/drafts/SmolLM2-135M-Instruct-DFlash" --work "$work4" "$@"
+stage4="$HOME_DIR/train/smollm2-stage4-draft"
+if [ ! -e "$stage4/TRAINING.json" ]; then
+  "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --prompts "$PROMPTS" --num-prompts 6016 \
+    --generator hf --gen-dtype float32 --gen-concurrency 128 --feature-dtype float32 --init "$stage3" \
+    --steps 1250 --lr 4e-4 --warmup 50 --gamma 4 --autocast false --eval-every 250 --save-every 250 \
+    --out "$stage4" --work "$work4"
+fi
+
+work5="$HOME_DIR/train/smollm2-stage5"
+mkdir -p "$work5"
+tail -n +6017 "$PROMPTS" > "$work5/gsm8k_train-6017-7473.jsonl"  # the 1,457 prompts stage 4 did not have
+"$ROOT/.venv/bin/sglang-dflash" prompt-variants --prompts "$PROMPTS" --copies 1 --seed 1 --out "$work5/variants-seed1.jsonl"
+exec "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" \
+  --prompts "$work5/variants-seed1.jsonl" "$work5/gsm8k_train-6017-7473.jsonl" \
+  --generator hf --gen-dtype bfloat16 --gen-concurrency 256 --feature-dtype bfloat16 --init "$stage4" \
+  --steps 3000 --lr 4e-4 --warmup 50 --gamma 4 --autocast auto --eval-every 500 --save-every 250 --heldout-decode 16 \
+  --workers 2 \
+  --out "$ROOT/launch/drafts/SmolLM2-135M-Instruct-DFlash" --work "$work5" "$@"
