@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train (or resume training) the SmolLM2-135M-Instruct DFlash draft that the demo ships, in five stages
+# Train (or resume training) the SmolLM2-135M-Instruct DFlash draft that the demo ships, in six stages
 # (see launch/drafts/SmolLM2-135M-Instruct-DFlash/README.md for what each reached and how long it took).
 # Every phase of each stage resumes: re-run this same command after an interruption.
 #   stage 1: 597 gsm8k_train prompts, from copies of the target's last 3 layers, stopped at step 4,250
@@ -14,8 +14,10 @@
 #   stage 5: prompts no stage before saw: gsm8k_train's last 1,457 and a number variant of each gsm8k_train
 #            prompt (prompt-variants --copies 1 --seed 1: 7,284), continuing from stage 4's draft; generated
 #            and trained in bf16 (a CPU with AVX512-BF16; where bf16 is emulated this stage is ~3x slower)
-#            work: $SGLANG_DFLASH_HOME/train/smollm2-stage5   draft: launch/drafts/SmolLM2-135M-Instruct-DFlash
-# A stage is skipped when its draft has reached its last step. Extra arguments go to stage 5's
+#            work: $SGLANG_DFLASH_HOME/train/smollm2-stage5   draft: $SGLANG_DFLASH_HOME/train/smollm2-stage5-draft
+#   stage 6: stage 5's data again (reused), continuing from stage 5's draft at a lower learning rate
+#            work: $SGLANG_DFLASH_HOME/train/smollm2-stage6   draft: launch/drafts/SmolLM2-135M-Instruct-DFlash
+# A stage is skipped when its draft has reached its last step. Extra arguments go to stage 6's
 # `sglang-dflash train` (e.g. --stop-at 500 to pause after step 500).
 # On the project's 2-core CPU machine run nothing else heavy meanwhile: two busy processes (a server,
 # this trainer) slow each other down by an order of magnitude.
@@ -80,9 +82,18 @@ work5="$HOME_DIR/train/smollm2-stage5"
 mkdir -p "$work5"
 tail -n +6017 "$PROMPTS" > "$work5/gsm8k_train-6017-7473.jsonl"  # the 1,457 prompts stage 4 did not have
 "$ROOT/.venv/bin/sglang-dflash" prompt-variants --prompts "$PROMPTS" --copies 1 --seed 1 --out "$work5/variants-seed1.jsonl"
-exec "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" \
-  --prompts "$work5/variants-seed1.jsonl" "$work5/gsm8k_train-6017-7473.jsonl" \
-  --generator hf --gen-dtype bfloat16 --gen-concurrency 256 --feature-dtype bfloat16 --init "$stage4" \
-  --steps 3000 --lr 4e-4 --warmup 50 --gamma 4 --autocast auto --eval-every 500 --save-every 250 --heldout-decode 16 \
-  --workers 2 \
-  --out "$ROOT/launch/drafts/SmolLM2-135M-Instruct-DFlash" --work "$work5" "$@"
+stage5_prompts=(--prompts "$work5/variants-seed1.jsonl" "$work5/gsm8k_train-6017-7473.jsonl")
+stage5="$HOME_DIR/train/smollm2-stage5-draft"
+if [ ! -e "$stage5/TRAINING.json" ]; then
+  "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" "${stage5_prompts[@]}" \
+    --generator hf --gen-dtype bfloat16 --gen-concurrency 256 --feature-dtype bfloat16 --init "$stage4" \
+    --steps 3000 --lr 4e-4 --warmup 50 --gamma 4 --autocast auto --eval-every 500 --save-every 250 --heldout-decode 16 \
+    --workers 2 --out "$stage5" --work "$work5"
+fi
+
+work6="$HOME_DIR/train/smollm2-stage6"
+seed_work "$work5" "$work6"  # all of stage 5's responses and features, nothing new
+exec "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" "${stage5_prompts[@]}" \
+  --generator hf --gen-dtype bfloat16 --gen-concurrency 256 --feature-dtype bfloat16 --init "$stage5" \
+  --steps 1200 --lr 1.5e-4 --warmup 50 --gamma 4 --autocast auto --eval-every 300 --save-every 300 --heldout-decode 16 \
+  --workers 2 --out "$ROOT/launch/drafts/SmolLM2-135M-Instruct-DFlash" --work "$work6" "$@"
