@@ -82,18 +82,18 @@ work5="$HOME_DIR/train/smollm2-stage5"
 mkdir -p "$work5"
 tail -n +6017 "$PROMPTS" > "$work5/gsm8k_train-6017-7473.jsonl"  # the 1,457 prompts stage 4 did not have
 "$ROOT/.venv/bin/sglang-dflash" prompt-variants --prompts "$PROMPTS" --copies 1 --seed 1 --out "$work5/variants-seed1.jsonl"
-stage5_prompts=(--prompts "$work5/variants-seed1.jsonl" "$work5/gsm8k_train-6017-7473.jsonl")
+# stage 5's data, which stage 6 reuses: the same prompts and the same regeneration settings
+stage5_data=(--prompts "$work5/variants-seed1.jsonl" "$work5/gsm8k_train-6017-7473.jsonl"
+             --generator hf --gen-dtype bfloat16 --gen-concurrency 256 --feature-dtype bfloat16)
 stage5="$HOME_DIR/train/smollm2-stage5-draft"
 if [ ! -e "$stage5/TRAINING.json" ]; then
-  "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" "${stage5_prompts[@]}" \
-    --generator hf --gen-dtype bfloat16 --gen-concurrency 256 --feature-dtype bfloat16 --init "$stage4" \
+  "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" "${stage5_data[@]}" --init "$stage4" \
     --steps 3000 --lr 4e-4 --warmup 50 --gamma 4 --autocast auto --eval-every 500 --save-every 250 --heldout-decode 16 \
     --workers 2 --out "$stage5" --work "$work5"
 fi
 
 work6="$HOME_DIR/train/smollm2-stage6"
 seed_work "$work5" "$work6"  # all of stage 5's responses and features, nothing new
-exec "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" "${stage5_prompts[@]}" \
-  --generator hf --gen-dtype bfloat16 --gen-concurrency 256 --feature-dtype bfloat16 --init "$stage5" \
+exec "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" "${stage5_data[@]}" --init "$stage5" \
   --steps 1200 --lr 1.5e-4 --warmup 50 --gamma 4 --autocast auto --eval-every 300 --save-every 300 --heldout-decode 16 \
   --workers 2 --out "$ROOT/launch/drafts/SmolLM2-135M-Instruct-DFlash" --work "$work6" "$@"

@@ -31,9 +31,9 @@ import torch.nn.functional as F
 
 from sglang_dflash.models.reference import DFlashDraftModel
 from sglang_dflash.train.features import Sequence
-from sglang_dflash.train.parallel import all_reduce_grads, rank_and_world, usable_cores
 from sglang_dflash.train.objective import (IGNORE, accepted_prefix, block_attention_mask, block_inputs,
                                            expected_tau, position_weights, sample_anchors)
+from sglang_dflash.train.parallel import all_reduce_grads, rank_and_world, usable_cores
 
 
 @dataclasses.dataclass
