@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train (or resume training) the SmolLM2-135M-Instruct DFlash draft that the demo ships, in six stages
+# Train (or resume training) the SmolLM2-135M-Instruct DFlash draft that the demo ships, in seven stages
 # (see launch/drafts/SmolLM2-135M-Instruct-DFlash/README.md for what each reached and how long it took).
 # Every phase of each stage resumes: re-run this same command after an interruption.
 #   stage 1: 597 gsm8k_train prompts, from copies of the target's last 3 layers, stopped at step 4,250
@@ -16,8 +16,11 @@
 #            and trained in bf16 (a CPU with AVX512-BF16; where bf16 is emulated this stage is ~3x slower)
 #            work: $SGLANG_DFLASH_HOME/train/smollm2-stage5   draft: $SGLANG_DFLASH_HOME/train/smollm2-stage5-draft
 #   stage 6: stage 5's data again (reused), continuing from stage 5's draft at a lower learning rate
-#            work: $SGLANG_DFLASH_HOME/train/smollm2-stage6   draft: launch/drafts/SmolLM2-135M-Instruct-DFlash
-# A stage is skipped when its draft has reached its last step. Extra arguments go to stage 6's
+#            work: $SGLANG_DFLASH_HOME/train/smollm2-stage6   draft: $SGLANG_DFLASH_HOME/train/smollm2-stage6-draft
+#   stage 7: new prompts again: another number variant of each gsm8k_train prompt (prompt-variants --copies 1
+#            --seed 2: 7,284), continuing from stage 6's draft
+#            work: $SGLANG_DFLASH_HOME/train/smollm2-stage7   draft: launch/drafts/SmolLM2-135M-Instruct-DFlash
+# A stage is skipped when its draft has finished its run. Extra arguments go to stage 7's
 # `sglang-dflash train` (e.g. --stop-at 500 to pause after step 500).
 # On the project's 2-core CPU machine run nothing else heavy meanwhile: two busy processes (a server,
 # this trainer) slow each other down by an order of magnitude.
@@ -94,6 +97,17 @@ fi
 
 work6="$HOME_DIR/train/smollm2-stage6"
 seed_work "$work5" "$work6"  # all of stage 5's responses and features, nothing new
-exec "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" "${stage5_data[@]}" --init "$stage5" \
-  --steps 1200 --lr 1.5e-4 --warmup 50 --gamma 4 --autocast auto --eval-every 300 --save-every 300 --heldout-decode 16 \
-  --workers 2 --out "$ROOT/launch/drafts/SmolLM2-135M-Instruct-DFlash" --work "$work6" "$@"
+stage6="$HOME_DIR/train/smollm2-stage6-draft"
+if [ ! -e "$stage6/TRAINING.json" ]; then
+  "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" "${stage5_data[@]}" --init "$stage5" \
+    --steps 1200 --lr 1.5e-4 --warmup 50 --gamma 4 --autocast auto --eval-every 300 --save-every 300 --heldout-decode 16 \
+    --workers 2 --out "$stage6" --work "$work6"
+fi
+
+work7="$HOME_DIR/train/smollm2-stage7"
+mkdir -p "$work7"
+"$ROOT/.venv/bin/sglang-dflash" prompt-variants --prompts "$PROMPTS" --copies 1 --seed 2 --out "$work7/variants-seed2.jsonl"
+exec "$ROOT/.venv/bin/sglang-dflash" train "${common[@]}" --prompts "$work7/variants-seed2.jsonl" \
+  --generator hf --gen-dtype bfloat16 --gen-concurrency 256 --feature-dtype bfloat16 --init "$stage6" \
+  --steps 1200 --lr 3e-4 --warmup 50 --gamma 4 --autocast auto --eval-every 300 --save-every 300 --heldout-decode 16 \
+  --workers 2 --out "$ROOT/launch/drafts/SmolLM2-135M-Instruct-DFlash" --work "$work7" "$@"
