@@ -441,6 +441,12 @@ def test_the_export_is_the_best_heldout_step(tiny_run, tiny_qwen3_path, tmp_path
     assert all(torch.equal(weights[k], snapshots[20][k]) for k in weights)
     assert not all(torch.equal(weights[k], snapshots[50][k]) for k in weights)
     assert torch.load(tmp_path / "work" / "checkpoint.pt", weights_only=False)["step"] == 50  # resumes from the last
+    trainer.fit(DFlashDraftModel.random(cfg, seed=0), frozen, seqs, fit_cfg, tmp_path / "work", tmp_path / "out",
+                progress=False)  # the finished run again: nothing to do, its export stays
+    assert json.loads((tmp_path / "out" / "training_state.json").read_text())["step"] == 20
+    with pytest.raises(ValueError, match="has already finished \\(step 50\\) and .* holds no draft"):
+        trainer.fit(DFlashDraftModel.random(cfg, seed=0), frozen, seqs, fit_cfg, tmp_path / "work", tmp_path / "other",
+                    progress=False)  # its draft cannot be exported again elsewhere: a clear error, not a crash
 
     figures = iter([1.2, 1.5, 1.4, 1.5, 1.1])
     fit_cfg.keep_best = False  # as the first SmolLM2 draft was exported: the last checkpoint's step

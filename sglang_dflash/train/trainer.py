@@ -176,6 +176,12 @@ def fit(draft: DFlashDraftModel, frozen: Frozen, seqs: list[Sequence], cfg: FitC
         draft.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, metrics = state["step"], state.get("metrics", {})
+    end = min(cfg.steps, cfg.stop_at) if cfg.stop_at > 0 else cfg.steps
+    if step >= cfg.steps and not (out / "model.safetensors").is_file():
+        # the checkpoint holds the last step's weights; the export (the best held-out step's) went to the first
+        # run's out folder, and a second one cannot be made from this work folder
+        raise ValueError(f"the run in {work} has already finished (step {step}) and {out} holds no draft: its draft "
+                         "is in the --out folder of the run that trained it (or start over with a new --work)")
     log = open(work / "log.jsonl", "a") if lead else None
     bar = None
     if progress and lead:
@@ -184,7 +190,6 @@ def fit(draft: DFlashDraftModel, frozen: Frozen, seqs: list[Sequence], cfg: FitC
         bar = tqdm(total=cfg.steps, initial=step, desc="train", dynamic_ncols=True)
     amp = torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=use_autocast(cfg, device))
     t0 = time.time()
-    end = min(cfg.steps, cfg.stop_at) if cfg.stop_at > 0 else cfg.steps
     while step < end:
         # the order of sequences and anchors is a function of the step alone, so a resumed run repeats nothing
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
