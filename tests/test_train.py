@@ -453,6 +453,11 @@ def test_the_export_is_the_best_heldout_step(tiny_run, tiny_qwen3_path, tmp_path
     trainer.fit(DFlashDraftModel.random(cfg, seed=0), frozen, seqs, fit_cfg, tmp_path / "work-last", tmp_path / "last",
                 progress=False)
     assert json.loads((tmp_path / "last" / "training_state.json").read_text())["step"] == 50
+    trainer.fit(DFlashDraftModel.random(cfg, seed=0), frozen, seqs, fit_cfg, tmp_path / "work-last", tmp_path / "again",
+                progress=False)  # here the export is the checkpoint's weights: another out gets the same draft
+    assert json.loads((tmp_path / "again" / "training_state.json").read_text())["step"] == 50
+    again, last = load_file(str(tmp_path / "again" / "model.safetensors")), load_file(str(tmp_path / "last" / "model.safetensors"))
+    assert again.keys() == last.keys() and all(torch.equal(again[k], last[k]) for k in last)
 
 
 def test_two_workers_train_as_one(tiny_run, tiny_qwen3_path, tmp_path):

@@ -177,11 +177,12 @@ def fit(draft: DFlashDraftModel, frozen: Frozen, seqs: list[Sequence], cfg: FitC
         opt.load_state_dict(state["optimizer"])
         step, metrics = state["step"], state.get("metrics", {})
     end = min(cfg.steps, cfg.stop_at) if cfg.stop_at > 0 else cfg.steps
-    if step >= cfg.steps and not (out / "model.safetensors").is_file():
-        # the checkpoint holds the last step's weights; the export (the best held-out step's) went to the first
-        # run's out folder, and a second one cannot be made from this work folder
-        raise ValueError(f"the run in {work} has already finished (step {step}) and {out} holds no draft: its draft "
-                         "is in the --out folder of the run that trained it (or start over with a new --work)")
+    if step >= cfg.steps and not (out / "model.safetensors").is_file():  # a finished run, asked for another out
+        if held and cfg.keep_best:  # its export is the best held-out step's weights, which no checkpoint holds
+            raise ValueError(f"the run in {work} has already finished (step {step}) and {out} holds no draft: its "
+                             "draft is in the --out folder of the run that trained it (or start over with a new --work)")
+        if lead:  # its export is the last step's weights: the checkpoint's
+            export(draft, metrics, out)
     log = open(work / "log.jsonl", "a") if lead else None
     bar = None
     if progress and lead:
