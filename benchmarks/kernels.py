@@ -1,5 +1,6 @@
-"""The GPU check of csrc/: build the extension, check every kernel against its plain-torch twin,
-time both, and time a Qwen3-8B-shaped 5-layer DFlash draft forward at block 16.
+"""The GPU check of csrc/ and the Triton draft attention: build the extension, check every kernel
+against its plain-torch twin, time both, and time a Qwen3-8B-shaped 5-layer DFlash draft forward at
+block 16, dense (models/reference.py) and as the server runs it (models/paged.py).
 
     python benchmarks/kernels.py [--out kernels.md]     # on a machine with an NVIDIA GPU
 
@@ -113,14 +114,22 @@ def kernel_rows(bw: float):
     return [(n, s, ok, tk * 1e6, tt * 1e6, b / tk / 1e9, 100 * b / tk / bw) for n, s, ok, tk, tt, b in rows]
 
 
-def qwen3_8b_draft_config() -> DraftConfig:
-    return DraftConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=5, num_attention_heads=32,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, block_size=16, num_target_layers=36,
-                       target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=151669)
+def graph_time(step) -> float:
+    """Median seconds of one replay of step captured in a CUDA graph (after warm-up on a side stream)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return cuda_time(graph.replay, iters=50)
 
 
-def draft_rows(bw: float, context: int = 1024):
-    """(batch, eager ms, graph ms, floor ms, graph / floor) for the 5-layer draft + its 15-row lm_head."""
+def random_qwen3_8b_draft():
+    """(config, bf16 draft with N(0, 0.02) weights, lm_head [V, H]) on the GPU."""
     cfg = qwen3_8b_draft_config()
     with torch.device("cuda"):
         model = DFlashDraftModel(cfg).to(torch.bfloat16).eval()
@@ -128,6 +137,83 @@ def draft_rows(bw: float, context: int = 1024):
     with torch.no_grad():
         for p in list(model.parameters()) + [head]:
             p.normal_(0, 0.02)
+    return cfg, model, head
+
+
+def qwen3_8b_draft_config() -> DraftConfig:
+    return DraftConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=5, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, block_size=16, num_target_layers=36,
+                       target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=151669)
+
+
+def draft_attention_rows(bw: float):
+    """The draft's paged attention, one layer at the Qwen3-8B draft's heads (32 query / 8 kv, d 128, block 16,
+    bf16), every request's context at random slots of the store: the Triton kernel against its torch twin
+    -> (batch, context, splits, max |kernel - twin|, kernel µs, twin µs, kernel GB/s, % of copy bw).
+    The bytes are the context K/V the attention must read once (plus the block's q, k, v and the output)."""
+    from sglang_dflash.ops import draft_attention as da
+
+    rows, g = [], torch.Generator(device="cuda").manual_seed(3)
+    h, kvh, d, B = 32, 8, 128, 16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for bs, ctx in ((1, 1024), (1, 8192), (8, 1024), (8, 4096), (32, 1024), (32, 4096), (128, 1024)):
+        P = bs * ctx
+        t = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+        ks, vs, q, kb, vb = t(P, kvh, d), t(P, kvh, d), t(bs, h, B, d), t(bs, kvh, B, d), t(bs, kvh, B, d)
+        req_to_token = torch.randperm(P, device="cuda", generator=g).view(bs, ctx).to(torch.int32)
+        rpi, prefix = torch.arange(bs, device="cuda"), torch.full((bs,), ctx, device="cuda")
+        args = (q, kb, vb, ks, vs, req_to_token, rpi, prefix, d ** -0.5)
+        out, twin = da.draft_attention_triton(*args, max_prefix=ctx), da.draft_attention_torch(*args, max_prefix=ctx)
+        err = (out.float() - twin.float()).abs().max().item()
+        splits = da.plan_splits(bs * kvh, ctx, 32, 2 * sms)[0]
+        tk = cuda_time(lambda: da.draft_attention_triton(*args, max_prefix=ctx), iters=50)
+        tt = cuda_time(lambda: da.draft_attention_torch(*args, max_prefix=ctx), iters=20)
+        moved = 2 * P * kvh * d * 2 + nbytes(q, kb, vb, out) + 4 * P
+        rows.append((bs, ctx, splits, err, tk * 1e6, tt * 1e6, moved / tk / 1e9, 100 * moved / tk / bw))
+    return rows
+
+
+def paged_draft_rows(context: int = 1024):
+    """The serving draft (models/paged.py: context K/V in a paged store indexed by KV slots), Qwen3-8B
+    shapes, random bf16 weights, + its 15-row lm_head: attention by the Triton kernel against the twin
+    -> (batch, kernel eager ms, kernel CUDA graph ms, twin eager ms, max |hidden difference|)."""
+    from sglang_dflash.models import paged as paged_module
+    from sglang_dflash.ops import draft_attention as da
+
+    cfg, model, head = random_qwen3_8b_draft()
+    rows, g = [], torch.Generator(device="cuda").manual_seed(4)
+    for bs in (1, 8, 32):
+        P = bs * (context + cfg.block_size)
+        store = paged_module.PagedDraft(model, P, "cuda", torch.bfloat16)
+        store.k.normal_(generator=g)
+        store.v.normal_(generator=g)
+        req_to_token = torch.randperm(P, device="cuda", generator=g).view(bs, -1).to(torch.int32)
+        rpi, prefix = torch.arange(bs, device="cuda"), torch.full((bs,), context, device="cuda")
+        embeds = torch.randn(bs, cfg.block_size, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=g)
+        positions = context + torch.arange(cfg.block_size, device="cuda")[None].expand(bs, -1)
+
+        @torch.no_grad()
+        def step():
+            hidden = store.forward_block(embeds, positions, req_to_token, rpi, prefix, context)
+            return hidden, (hidden[:, 1:].reshape(-1, cfg.hidden_size) @ head.T).argmax(-1).view(bs, -1)
+
+        kernel_hidden = step()[0]
+        eager = cuda_time(step, iters=50)
+        graphed = graph_time(step)
+        paged_module.draft_attention = da.draft_attention_torch  # the twin, for comparison
+        try:
+            twin_hidden = step()[0]
+            twin = cuda_time(step, iters=20)
+        finally:
+            paged_module.draft_attention = da.draft_attention
+        diff = (kernel_hidden.float() - twin_hidden.float()).abs().max().item()
+        rows.append((bs, eager * 1e3, graphed * 1e3, twin * 1e3, diff))
+    return rows
+
+
+def draft_rows(bw: float, context: int = 1024):
+    """(batch, eager ms, graph ms, floor ms, graph / floor) for the 5-layer draft + its 15-row lm_head."""
+    cfg, model, head = random_qwen3_8b_draft()
     weight_bytes = nbytes(*model.layers.parameters(), head)
     rows = []
     for bs in (1, 8, 32):
@@ -143,16 +229,7 @@ def draft_rows(bw: float, context: int = 1024):
             return (hidden @ head.T).argmax(-1).view(bs, -1)  # [bs, B-1] draft tokens (one GEMM, not a bmm)
 
         eager = cuda_time(step, iters=50)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graphed = cuda_time(graph.replay, iters=50)
+        graphed = graph_time(step)
         floor = (weight_bytes + sum(nbytes(k, v) for k, v in zip(cache.keys, cache.values))) / bw
         rows.append((bs, eager * 1e3, graphed * 1e3, floor * 1e3, graphed / floor))
     return rows, weight_bytes
@@ -205,6 +282,20 @@ def main() -> int:
                   f"request), draft layers + 15-row lm_head: {wbytes / 1e9:.2f} GB of weights",
               "", "| batch | eager ms | CUDA graph ms | memory floor ms | graph / floor |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {bs} | {e:.3f} | {g:.3f} | {f:.3f} | {r:.2f} |" for bs, e, g, f, r in rows]
+    lines += ["", "Draft attention over a paged context (one layer; 32 query / 8 kv heads, d 128, block 16, bf16; "
+                  "contexts at random slots): the Triton kernel against its torch twin",
+              "", "| batch | context | splits | max abs diff | kernel µs | twin µs | kernel GB/s | % of copy bw |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for bs, ctx, splits, err, tk, tt, gbs, pct in draft_attention_rows(bw):
+        ok &= err < 2e-2
+        lines.append(f"| {bs} | {ctx} | {splits} | {err:.1e} | {tk:.1f} | {tt:.1f} | {gbs:.0f} | {pct:.1f} |")
+    lines += ["", "The serving draft (models/paged.py), same model, context 1024 per request in the paged store, "
+                  "+ the 15-row lm_head: attention by the Triton kernel or by the twin",
+              "", "| batch | kernel eager ms | kernel CUDA graph ms | twin eager ms | max abs hidden diff |",
+              "| --- | --- | --- | --- | --- |"]
+    for bs, e, gr, tw, diff in paged_draft_rows():
+        ok &= diff < 5e-2
+        lines.append(f"| {bs} | {e:.3f} | {gr:.3f} | {tw:.3f} | {diff:.1e} |")
     lines += ["", "Sampled acceptance (temperature 0.7, top_p 0.9, V = 151,936, block 16): the target's filtered "
                   "distribution for all rows vs only the rows acceptance reaches",
               "", "| batch | draft | same tokens | all rows ms | reached rows ms | rows formed |",

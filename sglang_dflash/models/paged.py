@@ -3,15 +3,19 @@
 The store is indexed by the target's KV slot ids (SGLang's req_to_token maps a
 request's positions to slots), so the draft context of a token lives in the
 same slot as the target's K/V of that token. Whatever SGLang shares between
-requests through the radix cache is therefore right for the draft too.
+requests through the radix cache is therefore right for the draft too. A block's
+attention reads the store in place (ops/draft_attention.py: a Triton kernel on
+CUDA, its torch twin elsewhere).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from sglang_dflash.models.reference import ContextCache, DFlashDraftModel
-from sglang_dflash.ops.attention import gather_kv
+from sglang_dflash.models.reference import DFlashDraftModel
+from sglang_dflash.ops.draft_attention import draft_attention
 
 
 class PagedDraft:
@@ -38,17 +42,27 @@ class PagedDraft:
 
     @torch.no_grad()
     def forward_block(self, embeds: torch.Tensor, positions: torch.Tensor, req_to_token: torch.Tensor,
-                      req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor) -> torch.Tensor:
+                      req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
+                      max_prefix: int | None = None) -> torch.Tensor:
         """Block embeddings [bs, B, H] at positions [bs, B], each request attending over its
-        committed context (prefix_lens[i] tokens) and its whole block -> hidden [bs, B, H]."""
-        bs, B, _ = embeds.shape
-        max_len = int(prefix_lens.max())
-        keys, values, valid = [], [], None
-        for i in range(len(self.model.layers)):
-            k, valid = gather_kv(self.k[i], req_to_token, req_pool_indices, prefix_lens, max_len)
-            v, _ = gather_kv(self.v[i], req_to_token, req_pool_indices, prefix_lens, max_len)
-            keys.append(k)
-            values.append(v)
-        mask = torch.cat([valid[:, None, None, :].expand(bs, 1, B, max_len),
-                          torch.ones(bs, 1, B, B, dtype=torch.bool, device=embeds.device)], dim=-1)
-        return self.model(embeds.to(self.k.dtype), positions, ContextCache(keys, values), mask)
+        committed context (prefix_lens[i] tokens) and its whole block -> hidden [bs, B, H].
+        max_prefix: prefix_lens.max(), when the caller has it on the host."""
+        context = PagedContext(self, req_to_token, req_pool_indices, prefix_lens,
+                               int(prefix_lens.max()) if max_prefix is None else max_prefix)
+        return self.model(embeds.to(self.k.dtype), positions, context)
+
+
+@dataclasses.dataclass
+class PagedContext:
+    """The context of a batch's blocks, read from the paged store (the `attend` of a draft forward)."""
+    store: PagedDraft
+    req_to_token: torch.Tensor  # [R, L] the target's slots of each request's positions
+    req_pool_indices: torch.Tensor  # [bs]
+    prefix_lens: torch.Tensor  # [bs] committed tokens of each request
+    max_prefix: int
+
+    def attend(self, layer: int, q, k_blk, v_blk, mask=None):
+        """q [bs, h, B, d], k_blk/v_blk [bs, kvh, B, d] -> [bs, h, B, d], non-causal over context + block."""
+        assert mask is None, "a paged context is attended non-causally, whole"
+        return draft_attention(q, k_blk, v_blk, self.store.k[layer], self.store.v[layer], self.req_to_token,
+                               self.req_pool_indices, self.prefix_lens, q.shape[-1] ** -0.5, self.max_prefix)

@@ -14,6 +14,7 @@ h/kvh query/key-value heads, d head_dim.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import torch
@@ -51,13 +52,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 @dataclasses.dataclass
 class ContextCache:
-    """Per-layer K/V of the committed context: keys[l], values[l] are [b, kvh, C, d]."""
+    """Per-layer K/V of the committed context: keys[l], values[l] are [b, kvh, C, d].
+
+    A context is what a draft forward attends to: `attend(l, q, k_blk, v_blk, mask)` is layer l's
+    attention of the block's queries over the context and the block. This one holds the context
+    densely (training, the Transformers backend); models/paged.py's reads it from the server's
+    paged store."""
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
 
     @property
     def length(self) -> int:
         return self.keys[0].shape[2]
+
+    def attend(self, layer: int, q, k_blk, v_blk, mask=None):
+        """q [b, h, Q, d], k_blk/v_blk [b, kvh, Q, d]; mask [b|1, 1, Q, C+Q] bool (True = attend) or None
+        (everything) -> [b, h, Q, d]."""
+        k = torch.cat([self.keys[layer], k_blk], dim=2)  # [b, kvh, C+Q, d]
+        v = torch.cat([self.values[layer], v_blk], dim=2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class DraftAttention(nn.Module):
@@ -95,15 +108,13 @@ class DraftAttention(nn.Module):
         """x [b, T, H] -> k, v [b, kvh, T, d] (k normed and rotated)."""
         return self.shape_kv(*self.project_kv(x), cos, sin)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
-        """x [b, Q, H] block; ctx_k/ctx_v [b, kvh, C, d]; mask [b|1, 1, Q, C+Q] bool (True = attend) or None."""
+    def forward(self, x, cos, sin, attend):
+        """x [b, Q, H] block -> [b, Q, H]. attend(q [b, h, Q, d], k_blk, v_blk [b, kvh, Q, d]) -> [b, h, Q, d]:
+        the attention over the context and the block (the context's own: ContextCache.attend)."""
         b, Q, _ = x.shape
         q, k_blk, v_blk = self.project_qkv(x)
         q = apply_rope(self.q_norm(q.view(b, Q, self.h, self.d)).transpose(1, 2), cos, sin)
-        k_blk, v_blk = self.shape_kv(k_blk, v_blk, cos, sin)
-        k = torch.cat([ctx_k, k_blk], dim=2)  # [b, kvh, C+Q, d]
-        v = torch.cat([ctx_v, v_blk], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.h != self.kvh)
+        out = attend(q, *self.shape_kv(k_blk, v_blk, cos, sin))
         return self.project_out(out.transpose(1, 2).reshape(b, Q, self.h * self.d))
 
 
@@ -128,8 +139,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+    def forward(self, x, cos, sin, attend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -169,16 +180,17 @@ class DFlashDraftModel(nn.Module):
             cache.keys[i] = torch.cat([cache.keys[i], new.keys[i]], dim=2)
             cache.values[i] = torch.cat([cache.values[i], new.values[i]], dim=2)
 
-    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, context: ContextCache,
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, context,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """block_embeds [b, Q, H] at positions [b, Q], attending to context + block -> hidden [b, Q, H].
 
+        context: a ContextCache, or anything with its `attend` (models/paged.py's PagedContext).
         mask: [b|1, 1, Q, C+Q] bool, True where a query may attend; None = everything (non-causal).
         """
         cos, sin = self.rope(positions, block_embeds.dtype)
         x = block_embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, context.keys[i], context.values[i], mask)
+            x = layer(x, cos, sin, functools.partial(context.attend, i, mask=mask))
         return self.norm(x)
 
     def rope(self, positions, dtype):

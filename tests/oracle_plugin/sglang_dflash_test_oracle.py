@@ -18,8 +18,9 @@ def _remember_reqs(self, batch):
     _reqs[:] = list(batch.reqs)
 
 
-def _oracle_draft(original, self, block_ids, positions, req_to_token, req_pool_indices, prefix_lens, sampling_info):
-    tokens, q = original(self, block_ids, positions, req_to_token, req_pool_indices, prefix_lens, sampling_info)
+def _oracle_draft(original, self, block_ids, positions, req_to_token, req_pool_indices, prefix_lens, sampling_info,
+                  **kw):
+    tokens, q = original(self, block_ids, positions, req_to_token, req_pool_indices, prefix_lens, sampling_info, **kw)
     for i, req in enumerate(_reqs):
         full = _sequences().get(tuple(req.origin_input_ids))
         if full is None:
