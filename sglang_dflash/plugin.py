@@ -55,6 +55,12 @@ def handle_dflash_args(original, server_args):
     if attn_dp_enabled_of(cfg) or cfg.attn_cp_size != 1:
         raise ValueError("sglang-dflash's DFLASH worker does not support data-parallel or context-parallel attention "
                          "(plain --tp N works)")
+    if cfg.speculative_draft_window_size is not None:
+        raise ValueError("sglang-dflash's DFLASH worker keeps each request's whole draft context: "
+                         "--speculative-draft-window-size is not supported")
+    if cfg.enable_unified_memory:
+        raise ValueError("sglang-dflash's DFLASH worker indexes its draft context by the target's physical KV "
+                         "slots: --enable-unified-memory is not supported")
     if cfg.speculative_draft_model_path is None:
         raise ValueError("DFLASH needs --speculative-draft-model-path")
     draft = load_checked(cfg.speculative_draft_model_path, cfg.model_path, cfg.speculative_num_draft_tokens,

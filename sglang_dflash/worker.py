@@ -72,6 +72,12 @@ class DFlashWorker(_base()):
         self.model_runner = target_worker.model_runner
         self.device = self.model_runner.device
         self.dtype = self.model_runner.dtype
+        from sglang.srt.configs.hybrid_arch import mambaish_config
+
+        if mambaish_config(self.model_runner.model_config) is not None:
+            raise ValueError(f"{server_args.model_path} is a hybrid (Mamba / linear-attention) model: sglang-dflash's "
+                             "DFLASH worker verifies only attention targets (their state cannot be rolled back "
+                             "to the accepted prefix yet)")
         self.config = load_checked(server_args.speculative_draft_model_path, server_args.model_path,
                                    server_args.speculative_num_draft_tokens, server_args.trust_remote_code)
         self.block_size = self.config.block_size  # B: the draft's block (what it was trained to fill)
@@ -92,6 +98,7 @@ class DFlashWorker(_base()):
         self.accept_hist = torch.zeros(self.window + 1, dtype=torch.long)
         self.decode_batches, self.phase_seconds = 0, {}  # and the wall time of each step phase
         self.warned_custom = False
+        self.verify_graphed = False  # whether the last verify forward replayed the target's CUDA graph
         attn = self.draft_model.layers[0].self_attn
         step_ops = "CUDA kernels" if kernels.extension_available() and self.device != "cpu" else "torch twins"
         logger.info("sglang-dflash %s DFLASH worker: draft %s (%d layers, block %d, target layers %s), verify "
@@ -167,7 +174,7 @@ class DFlashWorker(_base()):
                                                            batch.req_pool_indices, req_to_token)
         with self.phase("draft"):
             draft_tokens, q = self.draft_forward(block_ids, positions, req_to_token, batch.req_pool_indices,
-                                                 prefix_lens, sampling)
+                                                 prefix_lens, sampling, max_prefix=self.host_max(batch))
             if sampling is not None:
                 self.tp_broadcast(draft_tokens)
             block_ids[:, 1:] = draft_tokens
@@ -195,7 +202,12 @@ class DFlashWorker(_base()):
         return GenerationBatchResult(
             logits_output=logits_output, next_token_ids=out_tokens.reshape(-1), accept_lens=commit_lens.to(torch.int32),
             new_seq_lens=new_seq_lens, next_draft_input=make_draft_input(next_token, new_seq_lens),
-            speculative_num_draft_tokens=K, can_run_cuda_graph=False)
+            speculative_num_draft_tokens=K, can_run_cuda_graph=self.verify_graphed)
+
+    @staticmethod
+    def host_max(batch) -> int | None:
+        """The longest committed length of the batch from the scheduler's host copy (no device sync), if kept."""
+        return int(batch.seq_lens_cpu.max()) if batch.seq_lens_cpu is not None else None
 
     def tp_broadcast(self, *tensors: torch.Tensor) -> None:
         """Overwrite tensors in place with TP rank 0's values (random draws differ between ranks)."""
@@ -236,7 +248,8 @@ class DFlashWorker(_base()):
         return kernels.build_block(bonus_tokens, prefix_lens, req_pool_indices, req_to_token,
                                    self.config.mask_token_id, self.window, self.page_size)
 
-    def draft_forward(self, block_ids, positions, req_to_token, req_pool_indices, prefix_lens, sampling_info):
+    def draft_forward(self, block_ids, positions, req_to_token, req_pool_indices, prefix_lens, sampling_info,
+                      max_prefix: int | None = None):
         """One non-causal draft forward over the whole block of B positions (the shape the draft was
         trained on), given the window's block_ids [bs, K] (bonus, MASK, …) -> draft tokens [bs, K-1] and,
         when sampling, their distributions q [bs, K-1, V]."""
@@ -246,7 +259,7 @@ class DFlashWorker(_base()):
             block_ids = torch.nn.functional.pad(block_ids, (0, B - K), value=self.config.mask_token_id)
             block_pos = positions[:, :1] + torch.arange(B, device=positions.device)
         embeds = self.embed(block_ids.reshape(-1)).view(bs, B, -1)
-        hidden = self.draft.forward_block(embeds, block_pos, req_to_token, req_pool_indices, prefix_lens)
+        hidden = self.draft.forward_block(embeds, block_pos, req_to_token, req_pool_indices, prefix_lens, max_prefix)
         rows = hidden[:, 1:K].reshape(bs * (K - 1), -1)  # [bs·(K-1), H]: one GEMM (a strided 3-D operand: a bmm)
         if sampling_info is None:
             return self.head.argmax(rows).view(bs, K - 1), None
@@ -275,7 +288,18 @@ class DFlashWorker(_base()):
                                          draft_token_num=K, custom_mask=None,
                                          capture_hidden_mode=CaptureHiddenMode.FULL)
         batch.out_cache_loc = slots.reshape(-1)
-        forward_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
+        # The attention backends plan a verify batch from the KV length with the block (seq_lens_cpu + K on
+        # the host: FlashInfer's CUDA-graph plan reads it; the device side adds K itself), then the forward
+        # must not plan again.
+        committed_cpu, committed_sum = batch.seq_lens_cpu, batch.seq_lens_sum
+        if committed_cpu is not None:
+            batch.seq_lens_cpu = committed_cpu + K
+            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        try:
+            forward_batch, self.verify_graphed = verify_input.prepare_for_verify(batch, self.target_worker)
+        finally:
+            batch.seq_lens_cpu, batch.seq_lens_sum = committed_cpu, committed_sum
+        forward_batch.mark_forward_metadata_ready()
         with gemm.verify_scope():  # on a CPU in float32: the block's rows through the faster product
             result = self.target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch,
                                                                  is_verify=True)

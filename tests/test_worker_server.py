@@ -534,6 +534,20 @@ def test_bad_draft_stops_the_server(smol, tmp_path, problem, change, message):
     assert message in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
 
 
+@pytest.mark.parametrize("option, message", [
+    (("--speculative-draft-window-size", "64"), "--speculative-draft-window-size is not supported"),
+    (("--enable-unified-memory",), "--enable-unified-memory is not supported"),
+])
+def test_unsupported_option_stops_the_server(smol, option, message):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "sglang_dflash.cli", "serve", "--model-path", str(smol["path"]),
+                        *dflash_args(smol["draft"], *option)], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert message in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
+
+
 def test_bad_draft_path_stops_the_server(smol, tmp_path):
     import subprocess
     import sys
