@@ -174,6 +174,10 @@ def stats_figures(before: dict, after: dict, wall: float) -> dict:
     out = {"accept_length_histogram": hist,  # index n: verify steps that committed n tokens
            # row k (1 …) of the block is accepted when a step commits more than k tokens
            "accept_rate_by_row": [sum(hist[k + 1:]) / steps if steps else None for k in range(1, len(hist) - 1)]}
+    if "window_histogram" in after:  # index k: decode batches that verified k rows per request
+        wz = [0] * len(after["window_histogram"])
+        out["window_histogram"] = [a - b for a, b in zip(after["window_histogram"],
+                                                         before.get("window_histogram", wz))]
     batches = after.get("decode_batches", 0) - before.get("decode_batches", 0)
     if batches:
         spent = {k: after["phase_seconds"].get(k, 0.0) - before.get("phase_seconds", {}).get(k, 0.0) for k in PHASES}
@@ -203,13 +207,15 @@ def markdown(results: dict) -> str:
     profiled = [(name, r) for name, runs in results["dflash"].items() for r in runs if r.get("step_ms")]
     if profiled:
         lines += ["", "DFLASH step profile, ms per decode batch (rest: prefill, scheduler, HTTP; the wall time of the "
-                  "run divided by its decode batches, minus the phases):", "",
-                  "| dataset | concurrency | decode batches | " + " | ".join(PHASES) + " | rest |",
-                  "| --- | ---: | ---: | " + " | ".join("---:" for _ in PHASES) + " | ---: |"]
+                  "run divided by its decode batches, minus the phases; windows k:n, n decode batches verified k rows "
+                  "per request):", "",
+                  "| dataset | concurrency | decode batches | " + " | ".join(PHASES) + " | rest | windows |",
+                  "| --- | ---: | ---: | " + " | ".join("---:" for _ in PHASES) + " | ---: | --- |"]
         for name, r in profiled:
             ms = r["step_ms"]
+            windows = " ".join(f"{k}:{n}" for k, n in enumerate(r.get("window_histogram", [])) if n)
             lines.append(f"| {name} | {r['concurrency']} | {r['decode_batches']} | "
-                         + " | ".join(f"{ms[k]:.1f}" for k in (*PHASES, "rest")) + " |")
+                         + " | ".join(f"{ms[k]:.1f}" for k in (*PHASES, "rest")) + f" | {windows or '-'} |")
     return "\n".join(lines) + "\n"
 
 

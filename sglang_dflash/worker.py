@@ -17,7 +17,8 @@ construction; random draws (sampled drafts, rejection sampling) are taken from r
 (`tp_broadcast`).
 
 Shapes: bs requests, B the draft's block size, K ≤ B the verify window (--speculative-num-draft-tokens,
-B by default), V vocabulary, F = features × hidden.
+B by default; with SGLANG_DFLASH_WINDOW=adaptive chosen each step from 1 … that, window.py; K = 1 is a
+plain decode step), V vocabulary, F = features × hidden.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from sglang_dflash.draft_head import DraftHead
 from sglang_dflash.models.paged import PagedDraft
 from sglang_dflash.models.sharded import ShardedDraftModel
 from sglang_dflash.ops import kernels
+from sglang_dflash.window import AdaptiveWindow
 
 logger = logging.getLogger(__name__)
 
@@ -96,16 +98,19 @@ class DFlashWorker(_base()):
         # each step phase there (for benchmarks)
         self.stats_file = os.environ.get("SGLANG_DFLASH_STATS_FILE")
         self.accept_hist = torch.zeros(self.window + 1, dtype=torch.long)
+        self.window_hist = [0] * (self.window + 1)  # decode batches by the window they verified
         self.decode_batches, self.phase_seconds = 0, {}  # and the wall time of each step phase
         self.warned_custom = False
         self.verify_graphed = False  # whether the last verify forward replayed the target's CUDA graph
+        self.adaptive = self.window_policy()
+        self.pending_step = None  # (batch size, window, start) of a decode step not yet timed
         attn = self.draft_model.layers[0].self_attn
         step_ops = "CUDA kernels" if kernels.extension_available() and self.device != "cpu" else "torch twins"
         logger.info("sglang-dflash %s DFLASH worker: draft %s (%d layers, block %d, target layers %s), verify "
-                    "window %d, %s %s, step ops: %s, tp %d (draft heads per rank: %d query, %d kv)", __version__,
+                    "window %s, %s %s, step ops: %s, tp %d (draft heads per rank: %d query, %d kv)", __version__,
                     server_args.speculative_draft_model_path, len(self.draft_model.layers), self.block_size,
-                    self.layer_ids, self.window, self.device, self.dtype, step_ops, self.tp_size,
-                    attn.h, attn.kvh)
+                    self.layer_ids, f"adaptive 1-{self.window}" if self.adaptive else self.window, self.device,
+                    self.dtype, step_ops, self.tp_size, attn.h, attn.kvh)
 
     # ---- what the scheduler calls at start-up ---------------------------
     def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
@@ -136,6 +141,11 @@ class DFlashWorker(_base()):
 
     # ---- every step -----------------------------------------------------
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None, **kw):
+        if self.pending_step is not None:  # the last decode step's wall time, the scheduler's share included
+            bs, k, start = self.pending_step
+            self.pending_step = None
+            if batch.forward_mode.is_decode():  # (a prefill in between would be counted in it)
+                self.adaptive.observe_step(bs, k, time.perf_counter() - start)
         if batch.forward_mode.is_extend():
             return self.prefill(batch)
         if batch.forward_mode.is_idle():
@@ -165,19 +175,22 @@ class DFlashWorker(_base()):
     def decode_step(self, batch):
         from sglang.srt.managers.utils import GenerationBatchResult
 
-        K = self.window
+        K = self.choose_window(batch)  # rows verified per request: the bonus token and K-1 drafts
         prefix_lens = batch.seq_lens.long()  # committed tokens; the bonus token is not in the KV yet
         req_to_token = batch.req_to_token_pool.req_to_token
         sampling = None if batch.sampling_info.is_all_greedy else batch.sampling_info
         with self.phase("build_block"):
             block_ids, positions, slots = self.build_block(batch.spec_info.bonus_tokens, prefix_lens,
-                                                           batch.req_pool_indices, req_to_token)
+                                                           batch.req_pool_indices, req_to_token, K)
         with self.phase("draft"):
-            draft_tokens, q = self.draft_forward(block_ids, positions, req_to_token, batch.req_pool_indices,
-                                                 prefix_lens, sampling, max_prefix=self.host_max(batch))
-            if sampling is not None:
-                self.tp_broadcast(draft_tokens)
-            block_ids[:, 1:] = draft_tokens
+            if K == 1:  # a plain decode step: nothing to draft
+                draft_tokens, q = block_ids[:, 1:], None
+            else:
+                draft_tokens, q = self.draft_forward(block_ids, positions, req_to_token, batch.req_pool_indices,
+                                                     prefix_lens, sampling, max_prefix=self.host_max(batch))
+                if sampling is not None:
+                    self.tp_broadcast(draft_tokens)
+                block_ids[:, 1:] = draft_tokens
         with self.phase("verify"):
             logits_output, logits, features = self.verify(batch, block_ids, positions, slots)
         with self.phase("accept"):
@@ -187,8 +200,10 @@ class DFlashWorker(_base()):
         commit_lens = accept_len + 1  # the old bonus + accepted drafts enter the KV; next_token is the new bonus
         with self.phase("commit"):
             self.commit(features, positions, slots, commit_lens)
+        if self.adaptive is not None:
+            self.adaptive.observe_accepts(accept_len.tolist(), K)
         if self.stats_file:
-            self.record_stats(commit_lens)
+            self.record_stats(commit_lens, K)
 
         # [bs, K]: row i emits out_tokens[i, :commit_lens[i]] (its accepted drafts, then next_token)
         out_tokens = torch.cat([draft_tokens, next_token[:, None]], dim=1)
@@ -203,6 +218,28 @@ class DFlashWorker(_base()):
             logits_output=logits_output, next_token_ids=out_tokens.reshape(-1), accept_lens=commit_lens.to(torch.int32),
             new_seq_lens=new_seq_lens, next_draft_input=make_draft_input(next_token, new_seq_lens),
             speculative_num_draft_tokens=K, can_run_cuda_graph=self.verify_graphed)
+
+    def window_policy(self) -> AdaptiveWindow | None:
+        """SGLANG_DFLASH_WINDOW: 'fixed' (default: every step verifies the window) or 'adaptive' (window.py)."""
+        mode = os.environ.get("SGLANG_DFLASH_WINDOW", "fixed")
+        if mode not in ("fixed", "adaptive"):
+            raise ValueError(f"SGLANG_DFLASH_WINDOW={mode!r}: expected 'fixed' or 'adaptive'")
+        return AdaptiveWindow(self.window) if mode == "adaptive" and self.window >= 2 else None
+
+    def choose_window(self, batch) -> int:
+        """The step's verify window: --speculative-num-draft-tokens, or with SGLANG_DFLASH_WINDOW=adaptive
+        the one expected to commit the most tokens per second at this batch size (window.py). Seeded
+        requests keep the fixed window: their tokens then depend on the seed alone, not on the load."""
+        if self.adaptive is None or batch.sampling_info.sampling_seed is not None:
+            return self.window
+        bs = batch.batch_size()
+        k = self.adaptive.choose(bs)
+        if self.tp_size > 1:  # step times differ between ranks: rank 0 decides
+            chosen = torch.tensor([k], device=self.device)
+            self.tp_broadcast(chosen)
+            k = int(chosen)
+        self.pending_step = (bs, k, time.perf_counter())
+        return k
 
     @staticmethod
     def host_max(batch) -> int | None:
@@ -232,21 +269,22 @@ class DFlashWorker(_base()):
         sync()
         self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + time.perf_counter() - t0
 
-    def record_stats(self, commit_lens):
+    def record_stats(self, commit_lens, K: int):
         self.accept_hist += torch.bincount(commit_lens.cpu(), minlength=self.window + 1)
+        self.window_hist[K] += 1
         self.decode_batches += 1
         tmp = f"{self.stats_file}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump({"accept_length_histogram": self.accept_hist.tolist(), "decode_batches": self.decode_batches,
-                       "phase_seconds": self.phase_seconds}, f)
+                       "window_histogram": self.window_hist, "phase_seconds": self.phase_seconds}, f)
         os.replace(tmp, self.stats_file)
 
     # ---- the five steps -------------------------------------------------
-    def build_block(self, bonus_tokens, prefix_lens, req_pool_indices, req_to_token):
+    def build_block(self, bonus_tokens, prefix_lens, req_pool_indices, req_to_token, K: int):
         """[bonus, MASK, …] per request, positions prefix … prefix + K - 1, and their KV slots (reserved
         by the scheduler's prepare_for_decode) -> three [bs, K] tensors."""
         return kernels.build_block(bonus_tokens, prefix_lens, req_pool_indices, req_to_token,
-                                   self.config.mask_token_id, self.window, self.page_size)
+                                   self.config.mask_token_id, K, self.page_size)
 
     def draft_forward(self, block_ids, positions, req_to_token, req_pool_indices, prefix_lens, sampling_info,
                       max_prefix: int | None = None):
@@ -321,6 +359,8 @@ class DFlashWorker(_base()):
         more: benchmarks/kernels.py measures both)."""
         if sampling_info is None:
             return accept_greedy(draft_tokens, logits)
+        if q is None:  # a plain decode step: no drafts, the token is drawn from the first row
+            q = torch.zeros(logits.shape[0], 0, logits.shape[-1], device=logits.device)
         info = sampling_info
         temps, min_ps = info.temperatures.view(-1), info.min_ps if info.need_min_p_sampling else None
         if logits.device.type == "cpu":

@@ -480,6 +480,23 @@ def test_verify_window_shorter_than_the_block(smol, smol_base_url, window4_url):
     print(f"window 4: oracle τ {[round(tau(o), 2) for o in outs[:4]]}, random draft τ {[round(tau(o), 2) for o in outs[4:]]}")
 
 
+def test_adaptive_window_is_lossless_and_falls_back_to_decoding(smol, tmp_path):
+    """SGLANG_DFLASH_WINDOW=adaptive with the random draft, which accepts nothing: the greedy output is the
+    baseline's at concurrency 16, and once each batch size has measured its anchors (a window of 16, 2, 1)
+    the server verifies one row per step, a plain decode step; a sampled request decodes through it too."""
+    stats = tmp_path / "stats.json"
+    env = {"SGLANG_DFLASH_WINDOW": "adaptive", "SGLANG_DFLASH_STATS_FILE": str(stats)}
+    inputs, refs = sixteen_of_forty(smol["inputs"]), first_tokens(sixteen_of_forty(smol["base"]), 64)
+    with sglang_server(smol["path"], *dflash_args(smol["draft"]), env=env) as url:
+        outs = run_all(url, inputs, 16, max_new_tokens=64)
+        sampled = generate(url, inputs[0], temperature=0.8, max_new_tokens=24, ignore_eos=True)
+    assert_same(outs, refs, "adaptive window")
+    assert len(sampled["output_ids"]) == sampled["meta_info"]["completion_tokens"] == 24
+    windows = json.loads(stats.read_text())["window_histogram"]  # decode batches by rows verified
+    print(f"adaptive window, random draft: decode batches by window {dict((k, n) for k, n in enumerate(windows) if n)}")
+    assert windows[1] > 0.6 * sum(windows) and windows[16] >= 1 and windows[2] >= 1
+
+
 def test_tensor_parallel_2_equals_1(smol, oracle_server):
     """--tp 2 on this CPU (two ranks, one core each, gloo): the target sharded, and the shipped trained
     draft too (SmolLM2's 9 query / 3 kv heads padded to 12 / 4, six and two per rank), proposing through

@@ -1,0 +1,106 @@
+"""How many rows each verify step checks, chosen from what steps cost and what they commit.
+
+`--speculative-num-draft-tokens K` fixes the verify window: every step checks the bonus token and K-1
+drafts per request. With SGLANG_DFLASH_WINDOW=adaptive the worker instead picks, each step, the
+window k in 1 … K that is expected to commit the most tokens per second at the batch's size:
+
+    E(k) = 1 + a_1 + … + a_{k-1}     tokens committed per request (a_j = P(at least j drafts accepted))
+    T(bs, k)                          seconds per decode step at batch size bs
+    k* = argmax_k E(k) / T(bs, k)
+
+k = 1 is a plain decode step (no draft forward): where drafting does not pay, at a busy server or with
+a weak draft, the server falls back to decoding as it would without speculation. The output does not
+depend on k (greedy: the target's tokens; sampling: the target's distribution), only the speed does.
+
+  - a_j: the fraction of requests that accepted at least j drafts, over the steps that checked more
+    than j rows (a step of window k observes a_1 … a_{k-1}), older steps' counts decaying by 1 - RATE
+    at each new observation of that row; before any, the prior a_j = PRIOR ** j (one request's worth).
+    Until every row has been seen for MIN_SEEN requests, steps take the whole window K, which shows them
+    all (one step at a busy server, a few at a quiet one).
+  - T(bs, k): the measured wall time of decode steps (from one decode step's start to the next
+    forward's), per batch-size bucket (1, 2-3, 4-7, 8-15, …), at the anchors k = 1, 2, 4, 8, … and K,
+    linear in k between neighbouring anchors (k = 1 has no draft forward; above it the draft costs
+    the same for every k and the verify grows with its rows, not always in proportion: on a CPU a
+    verify of 8 rows cost half one of 16, SmolLM2 at 4 requests). An anchor not yet measured in a
+    bucket, or measured more than `refresh` steps of that bucket ago, is taken next, so the costs
+    follow the load and the machine.
+
+Wall times differ between tensor-parallel ranks: the worker takes rank 0's choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+PRIOR = 0.5  # a_j before any step observed it
+RATE = 0.05  # the decay of older counts at each new observation of a row
+MIN_SEEN = 16  # requests a row must have been checked for before its rate is trusted
+
+
+@dataclasses.dataclass
+class Bucket:
+    """Measured step seconds at the anchors of one batch-size bucket, and when each was measured."""
+    seconds: dict[int, float] = dataclasses.field(default_factory=dict)  # anchor k -> moving average
+    measured_at: dict[int, int] = dataclasses.field(default_factory=dict)  # anchor k -> bucket step count
+    steps: int = 0
+
+
+class AdaptiveWindow:
+    def __init__(self, max_window: int, refresh: int = 64):
+        assert max_window >= 2
+        self.K = max_window
+        self.refresh = refresh
+        powers = {1 << i for i in range(max_window.bit_length()) if 1 << i < max_window}
+        self.anchors = sorted(powers | {max_window}, reverse=True)  # K first: start where the fixed window is
+        self.hits = [PRIOR ** j for j in range(max_window)]  # decayed count of requests accepting >= j drafts
+        self.seen = [1.0] * max_window  # decayed count of requests whose row j was checked
+        self.buckets: dict[int, Bucket] = {}
+
+    @staticmethod
+    def bucket_of(batch_size: int) -> int:
+        return int(batch_size).bit_length()
+
+    @property
+    def accept_rate(self) -> list[float]:
+        """a_j for j in 0 … K-1 (a_0 = 1)."""
+        return [h / n for h, n in zip(self.hits, self.seen)]
+
+    def expected_tokens(self, k: int) -> float:
+        """E(k): tokens a request commits in a step of window k."""
+        return 1.0 + sum(self.accept_rate[1:k])
+
+    def step_seconds(self, bucket: Bucket, k: int) -> float:
+        """T(bs, k) from the anchors, linear between the two around k."""
+        if k in bucket.seconds:
+            return bucket.seconds[k]
+        hi = min(a for a in self.anchors if a > k)
+        lo = max(a for a in self.anchors if a < k)
+        t_lo, t_hi = bucket.seconds[lo], bucket.seconds[hi]
+        return t_lo + (t_hi - t_lo) * (k - lo) / (hi - lo)
+
+    def choose(self, batch_size: int) -> int:
+        """The window of the next decode step at this batch size."""
+        bucket = self.buckets.setdefault(self.bucket_of(batch_size), Bucket())
+        bucket.steps += 1
+        if min(self.seen[1:]) < MIN_SEEN:  # some row's acceptance is still unknown: look at every row
+            return self.K
+        for k in self.anchors:  # an anchor unmeasured or stale: measure it
+            if k not in bucket.seconds or bucket.steps - bucket.measured_at[k] > self.refresh:
+                return k
+        return max(range(1, self.K + 1), key=lambda k: self.expected_tokens(k) / self.step_seconds(bucket, k))
+
+    def observe_step(self, batch_size: int, k: int, seconds: float) -> None:
+        """A decode step of window k took this long (start to the next forward's start)."""
+        if k not in self.anchors:
+            return
+        bucket = self.buckets.setdefault(self.bucket_of(batch_size), Bucket())
+        old = bucket.seconds.get(k)
+        # a re-measured anchor moves a quarter of the way: one noisy step does not swing the choice
+        bucket.seconds[k] = seconds if old is None else old + 0.25 * (seconds - old)
+        bucket.measured_at[k] = bucket.steps
+
+    def observe_accepts(self, accept_lens: list[int], k: int) -> None:
+        """Drafts accepted per request in a step of window k (each 0 … k-1): updates a_1 … a_{k-1}."""
+        for j in range(1, k):
+            self.hits[j] = (1 - RATE) * self.hits[j] + sum(a >= j for a in accept_lens)
+            self.seen[j] = (1 - RATE) * self.seen[j] + len(accept_lens)

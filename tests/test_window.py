@@ -1,0 +1,103 @@
+"""The adaptive verify window (window.py) against a simulated server whose step costs and acceptance are known."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sglang_dflash.window import PRIOR, AdaptiveWindow
+
+
+def simulated_step_seconds(bs: int, k: int) -> float:
+    """A CPU-like server (SmolLM2's step profile on the 2-core CPU, roughly): a decode step's fixed cost and
+    per-request cost, a draft forward for k > 1, a verify growing with its rows."""
+    draft = 0.015 + 0.004 * bs if k > 1 else 0.0
+    return 0.055 + 0.008 * bs + draft + 0.003 * bs * (k - 1)
+
+
+ACCEPT = [1.0, 0.7, 0.45, 0.25, 0.12, 0.05, 0.02, 0.01]  # P(at least j drafts accepted), j = 0 … 7
+
+
+def throughput(bs: int, k: int) -> float:
+    """Tokens per second of steps of window k at batch size bs."""
+    return bs * (1 + sum(ACCEPT[1:k])) / simulated_step_seconds(bs, k)
+
+
+def best_window(bs: int, K: int) -> int:
+    return max(range(1, K + 1), key=lambda k: throughput(bs, k))
+
+
+def run(policy: AdaptiveWindow, bs: int, steps: int, rng: random.Random) -> list[int]:
+    chosen = []
+    for _ in range(steps):
+        k = policy.choose(bs)
+        chosen.append(k)
+        accepted = []
+        for _ in range(bs):  # each request accepts a prefix of its k-1 drafts with the ACCEPT rates
+            n = 0
+            while n < k - 1 and rng.random() < ACCEPT[n + 1] / ACCEPT[n]:
+                n += 1
+            accepted.append(n)
+        policy.observe_accepts(accepted, k)
+        policy.observe_step(bs, k, simulated_step_seconds(bs, k) * rng.uniform(0.9, 1.1))
+    return chosen
+
+
+def test_rows_not_yet_seen_are_looked_at_first():
+    policy = AdaptiveWindow(8)
+    policy.observe_step(1, policy.choose(1), 0.1)  # the anchor K is measured
+    assert policy.choose(1) == 8  # but rows are unseen: K again, not the next anchor
+    policy.observe_accepts([2] * 16, 8)  # 16 requests seen on every row
+    assert policy.choose(1) == 4  # the next anchor
+
+
+def test_a_new_batch_size_measures_the_anchors_first():
+    policy = AdaptiveWindow(8)
+    policy.observe_accepts([1] * 32, 8)  # every row's acceptance known
+    firsts = []
+    for k in range(4):
+        firsts.append(policy.choose(4))
+        policy.observe_step(4, firsts[-1], 0.1)
+    assert firsts == [8, 4, 2, 1]
+    assert policy.bucket_of(4) == policy.bucket_of(7) != policy.bucket_of(8)
+
+
+@pytest.mark.parametrize("bs", [1, 4, 16, 64])
+def test_it_settles_on_the_best_window_of_each_batch_size(bs):
+    K = 8
+    policy = AdaptiveWindow(K, refresh=64)
+    rng = random.Random(bs)
+    chosen = run(policy, bs, 400, rng)
+    late = chosen[200:]  # measuring its anchors again every 64 steps included
+    achieved = sum(throughput(bs, k) for k in late) / len(late)
+    best = throughput(bs, best_window(bs, K))
+    assert achieved > 0.95 * best, (bs, best_window(bs, K), sorted(set(late)), achieved / best)
+    assert achieved > 1.05 * min(throughput(bs, 1), throughput(bs, K))  # better than the worse fixed choice
+
+
+def test_the_simulated_best_window_shrinks_with_load():
+    """The premise of the test above: on a CPU-like server a busier batch wants fewer verified rows."""
+    best = [best_window(bs, 8) for bs in (1, 4, 16, 64)]
+    assert best == sorted(best, reverse=True) and best[0] > 2 and best[-1] <= 2, best
+
+
+def test_a_weak_draft_falls_back_to_plain_decoding():
+    policy = AdaptiveWindow(16)
+    for _ in range(300):
+        k = policy.choose(8)
+        policy.observe_accepts([0] * 8, k)  # nothing is ever accepted
+        policy.observe_step(8, k, 0.1 + 0.05 * (k > 1) + 0.002 * k)
+    assert policy.choose(8) == 1
+    assert policy.accept_rate[1] < 0.05 and policy.accept_rate[0] == 1.0
+
+
+def test_accept_rates_start_at_the_prior_and_follow_observations():
+    policy = AdaptiveWindow(4)
+    assert policy.accept_rate[1:] == [PRIOR, PRIOR ** 2, PRIOR ** 3]
+    assert policy.expected_tokens(1) == 1.0
+    policy.observe_accepts([3, 3, 3, 3], 4)
+    assert all(a > p for a, p in zip(policy.accept_rate[1:], [PRIOR, PRIOR ** 2, PRIOR ** 3]))
+    before = list(policy.accept_rate)
+    policy.observe_accepts([0, 0], 1)  # a plain decode step observes no row
+    assert policy.accept_rate == before
