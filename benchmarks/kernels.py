@@ -260,6 +260,11 @@ def sampled_accept_rows(V: int = 151936, B: int = 16):
     return rows
 
 
+def table_head(*columns: str) -> list[str]:
+    """A markdown table's header and separator rows."""
+    return ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="also write the markdown tables here")
@@ -271,8 +276,7 @@ def main() -> int:
              f"extension: {load_extension()}"]
     bw = copy_bandwidth()
     lines.append(f"copy bandwidth: {bw / 1e9:.0f} GB/s (1 GiB device-to-device, read + write)\n")
-    lines += ["| kernel | shape | equals twin | kernel µs | twin µs | kernel GB/s | % of copy bw |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += table_head("kernel", "shape", "equals twin", "kernel µs", "twin µs", "kernel GB/s", "% of copy bw")
     ok = True
     for name, shape, exact, tk, tt, gbs, pct in kernel_rows(bw):
         ok &= exact
@@ -280,26 +284,24 @@ def main() -> int:
     rows, wbytes = draft_rows(bw)
     lines += ["", f"Qwen3-8B-shaped draft (5 layers, hidden 4096, block 16, random bf16 weights, context 1024 per "
                   f"request), draft layers + 15-row lm_head: {wbytes / 1e9:.2f} GB of weights",
-              "", "| batch | eager ms | CUDA graph ms | memory floor ms | graph / floor |", "| --- | --- | --- | --- | --- |"]
+              "", *table_head("batch", "eager ms", "CUDA graph ms", "memory floor ms", "graph / floor")]
     lines += [f"| {bs} | {e:.3f} | {g:.3f} | {f:.3f} | {r:.2f} |" for bs, e, g, f, r in rows]
     lines += ["", "Draft attention over a paged context (one layer; 32 query / 8 kv heads, d 128, block 16, bf16; "
                   "contexts at random slots): the Triton kernel against its torch twin",
-              "", "| batch | context | splits | max abs diff | kernel µs | twin µs | kernel GB/s | % of copy bw |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "", *table_head("batch", "context", "splits", "max abs diff", "kernel µs", "twin µs", "kernel GB/s",
+                              "% of copy bw")]
     for bs, ctx, splits, err, tk, tt, gbs, pct in draft_attention_rows(bw):
         ok &= err < 2e-2
         lines.append(f"| {bs} | {ctx} | {splits} | {err:.1e} | {tk:.1f} | {tt:.1f} | {gbs:.0f} | {pct:.1f} |")
     lines += ["", "The serving draft (models/paged.py), same model, context 1024 per request in the paged store, "
                   "+ the 15-row lm_head: attention by the Triton kernel or by the twin",
-              "", "| batch | kernel eager ms | kernel CUDA graph ms | twin eager ms | max abs hidden diff |",
-              "| --- | --- | --- | --- | --- |"]
+              "", *table_head("batch", "kernel eager ms", "kernel CUDA graph ms", "twin eager ms", "max abs hidden diff")]
     for bs, e, gr, tw, diff in paged_draft_rows():
         ok &= diff < 5e-2
         lines.append(f"| {bs} | {e:.3f} | {gr:.3f} | {tw:.3f} | {diff:.1e} |")
     lines += ["", "Sampled acceptance (temperature 0.7, top_p 0.9, V = 151,936, block 16): the target's filtered "
                   "distribution for all rows vs only the rows acceptance reaches",
-              "", "| batch | draft | same tokens | all rows ms | reached rows ms | rows formed |",
-              "| --- | --- | --- | --- | --- | --- |"]
+              "", *table_head("batch", "draft", "same tokens", "all rows ms", "reached rows ms", "rows formed")]
     for bs, name, same, tf, tl, formed in sampled_accept_rows():
         ok &= same
         lines.append(f"| {bs} | {name} | {'yes' if same else 'NO'} | {tf:.2f} | {tl:.2f} | {100 * formed:.0f}% |")

@@ -37,26 +37,13 @@ from sglang_dflash.accept import (SALT_DRAFT, accept_greedy, accept_sampled_rows
 from sglang_dflash.config import load_checked
 from sglang_dflash.cpu import gemm
 from sglang_dflash.draft_head import DraftHead
+from sglang_dflash.draft_input import make_draft_input
 from sglang_dflash.models.paged import PagedDraft
 from sglang_dflash.models.sharded import ShardedDraftModel
 from sglang_dflash.ops import kernels
 from sglang_dflash.window import AdaptiveWindow
 
 logger = logging.getLogger(__name__)
-
-
-def make_draft_input(bonus_tokens: torch.Tensor, new_seq_lens: torch.Tensor):
-    """What the scheduler carries to the next step: each request's bonus token and committed length."""
-    from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
-
-    bs, device = new_seq_lens.numel(), bonus_tokens.device
-    return DFlashDraftInputV2(
-        topk_p=torch.empty((bs, 0), device=device, dtype=torch.float32),
-        topk_index=torch.empty((bs, 0), device=device, dtype=torch.int64),
-        bonus_tokens=bonus_tokens.to(torch.int64),
-        new_seq_lens=new_seq_lens.to(torch.int64),
-        hidden_states=torch.empty((bs, 0), device=device, dtype=torch.float16),
-    )
 
 
 def _base():
@@ -101,7 +88,6 @@ class DFlashWorker(_base()):
         self.window_hist = [0] * (self.window + 1)  # decode batches by the window they verified
         self.decode_batches, self.phase_seconds = 0, {}  # and the wall time of each step phase
         self.warned_custom = False
-        self.verify_graphed = False  # whether the last verify forward replayed the target's CUDA graph
         self.adaptive = self.window_policy()
         self.pending_step = None  # (batch size, window, start) of a decode step not yet timed
         attn = self.draft_model.layers[0].self_attn
@@ -192,7 +178,7 @@ class DFlashWorker(_base()):
                     self.tp_broadcast(draft_tokens)
                 block_ids[:, 1:] = draft_tokens
         with self.phase("verify"):
-            logits_output, logits, features = self.verify(batch, block_ids, positions, slots)
+            logits_output, logits, features, graphed = self.verify(batch, block_ids, positions, slots)
         with self.phase("accept"):
             accept_len, next_token = self.accept(draft_tokens, q, logits, positions, sampling)
             if sampling is not None:
@@ -217,7 +203,7 @@ class DFlashWorker(_base()):
         return GenerationBatchResult(
             logits_output=logits_output, next_token_ids=out_tokens.reshape(-1), accept_lens=commit_lens.to(torch.int32),
             new_seq_lens=new_seq_lens, next_draft_input=make_draft_input(next_token, new_seq_lens),
-            speculative_num_draft_tokens=K, can_run_cuda_graph=self.verify_graphed)
+            speculative_num_draft_tokens=K, can_run_cuda_graph=graphed)
 
     def window_policy(self) -> AdaptiveWindow | None:
         """SGLANG_DFLASH_WINDOW: 'fixed' (default: every step verifies the window) or 'adaptive' (window.py)."""
@@ -315,7 +301,8 @@ class DFlashWorker(_base()):
 
     def verify(self, batch, block_ids, positions, slots):
         """One target forward over every request's block (TARGET_VERIFY), capturing the hidden states at
-        the draft's target layers -> (logits output, logits [bs, K, V], features [bs, K, F]). The logits
+        the draft's target layers -> (logits output, logits [bs, K, V], features [bs, K, F], whether it replayed
+        the target's CUDA graph). The logits
         are the ones the non-speculative sampler would see at each row: the request's penalties, grammar,
         logit_bias and custom processors applied as if the drafts before the row were its output."""
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
@@ -334,7 +321,7 @@ class DFlashWorker(_base()):
             batch.seq_lens_cpu = committed_cpu + K
             batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
         try:
-            forward_batch, self.verify_graphed = verify_input.prepare_for_verify(batch, self.target_worker)
+            forward_batch, graphed = verify_input.prepare_for_verify(batch, self.target_worker)
         finally:
             batch.seq_lens_cpu, batch.seq_lens_sum = committed_cpu, committed_sum
         forward_batch.mark_forward_metadata_ready()
@@ -349,7 +336,7 @@ class DFlashWorker(_base()):
                 logger.warning("custom logit processors run once per verify block with the request's committed "
                                "output: one that reads the output so far does not see the block's drafts")
             block_logits.apply_rules(logits, block_ids, batch)
-        return out, logits, out.hidden_states[: bs * K].view(bs, K, -1)
+        return out, logits, out.hidden_states[: bs * K].view(bs, K, -1), graphed
 
     def accept(self, draft_tokens, q, logits, positions, sampling_info):
         """Greedy: longest matching prefix + the target's token. Sampling: rejection sampling with q.

@@ -63,6 +63,12 @@ def test_cpu_kernel_twins():
     back = torch.full((11,), -1, dtype=torch.int64)
     assign_extend_cache_locs(rpi, req_to_token, start.long(), end.long(), back, 32)
     assert torch.equal(back, locs)
+    # a span past the row's end is an error: torch would broadcast one slot into the empty slice (issue 24's leak)
+    for s, e in ((32, 33), (30, 34)):
+        with pytest.raises(IndexError, match="run past req_to_token's width 32"):
+            assign_req_to_token_pool(torch.tensor([1]), req_to_token, torch.tensor([s]), torch.tensor([e]),
+                                     locs[:e - s], 32)
+    assert torch.equal(req_to_token, expected)
 
     bufs = [torch.randn(20, 3, 4), torch.randn(20, 3, 4)]
     before = [b.clone() for b in bufs]

@@ -27,7 +27,11 @@ def _spans(start: torch.Tensor, end: torch.Tensor):
 
 
 def assign_req_to_token_pool(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len=0):
+    width = req_to_token.shape[1]
     for r, (s, n, o) in zip(req_pool_indices.long().tolist(), _spans(start_offset, end_offset)):
+        if s + n > width:  # a slice past the row would drop (or broadcast) the slots, which then leak
+            raise IndexError(f"assign_req_to_token_pool: positions {s}..{s + n - 1} of request row {r} run past "
+                             f"req_to_token's width {width}")
         req_to_token[r, s:s + n] = out_cache_loc[o:o + n].to(req_to_token.dtype)
 
 

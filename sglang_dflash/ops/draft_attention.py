@@ -35,10 +35,8 @@ from sglang_dflash.ops.attention import gather_kv
 try:
     import triton
     import triton.language as tl
-    TRITON_ERROR = None
-except ImportError as e:  # a CPU-only torch without Triton: the twin serves
+except ImportError:  # a CPU-only torch without Triton: the twin serves
     triton = tl = None
-    TRITON_ERROR = str(e)
 
 
 def draft_attention_torch(q, k_blk, v_blk, k_store, v_store, req_to_token, req_pool_indices, prefix_lens,
