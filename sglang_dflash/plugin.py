@@ -10,6 +10,8 @@ capture, draft KV sizing, the scheduler's DFLASH branches); what changes:
   - on the CPU engine, the sgl-kernel CPU operators the PyPI wheel lacks are registered, and the
     target's float32 linear layers take a faster product inside the verify forward (cpu/gemm.py).
 SGLANG_DFLASH_IMPL=builtin leaves SGLang's builtin DFLASH untouched (for side-by-side runs).
+In every case, with or without DFLASH, requests that would crash a scheduler (an empty prompt, token
+ids outside the vocabulary) are refused with a 400 by the front end (request_checks.py).
 """
 
 from __future__ import annotations
@@ -106,8 +108,10 @@ def register() -> None:
     _registered = True
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_dflash import __version__
+    from sglang_dflash import __version__, request_checks
 
+    # with or without DFLASH: an empty prompt or an id outside the vocabulary gets a 400, not a dead server
+    HookRegistry.register(request_checks.VALIDATE_REQUEST, request_checks.validate_one_request, HookType.AROUND)
     if use_builtin():
         logger.warning("sglang-dflash %s: SGLANG_DFLASH_IMPL=builtin, SGLang's own DFLASH runs", __version__)
         return
