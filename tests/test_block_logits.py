@@ -30,19 +30,35 @@ class FakeBatch:  # the orchestrator keeps a weak reference to its batch
         self.reqs, self.device = reqs, "cpu"
 
 
-def sglang_row_logits(req, logits_row, output_so_far):
-    """What SGLang's non-speculative path applies to one position: a fresh orchestrator for the
-    request, each output token cumulated one at a time (as prepare_for_decode does), then apply."""
+def penalized_batch(req, prompt):
+    """A one-request batch with the penalizer state SGLang builds for it at prefill (the orchestrator of
+    SamplingBatchInfo.from_schedule_batch), the request's prompt in place and no output yet."""
     import sglang.srt.sampling.penaltylib as penaltylib
 
+    req.origin_input_ids, req.output_ids = list(prompt), []
     batch = FakeBatch([req])
-    orch = penaltylib.BatchedPenalizerOrchestrator(vocab_size=V, batch=batch, penalizers=[
-        penaltylib.BatchedFrequencyPenalizer, penaltylib.BatchedMinNewTokensPenalizer,
-        penaltylib.BatchedPresencePenalizer, penaltylib.BatchedRepetitionPenalizer])
-    for t in output_so_far:
-        orch.cumulate_output_tokens(torch.tensor([t]))
+    batch.sampling_info = SimpleNamespace(penalizer_orchestrator=penaltylib.BatchedPenalizerOrchestrator(
+        vocab_size=V, batch=batch, penalizers={penaltylib.BatchedFrequencyPenalizer,
+                                               penaltylib.BatchedMinNewTokensPenalizer,
+                                               penaltylib.BatchedPresencePenalizer,
+                                               penaltylib.BatchedRepetitionPenalizer}))
+    return batch
+
+
+def sglang_row_logits(req, logits_row, prompt, output_so_far):
+    """What SGLang's synchronous scheduler applies to the logits of the token after output_so_far: the
+    prefill emits the first output token with nothing cumulated; before each decode step
+    prepare_for_decode calls ScheduleBatch.cumulate_penalty_output_tokens, which feeds the penalizers the
+    request's output as it then stands (its last token, or the prompt's last when there is no output);
+    then the orchestrator applies its penalties."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    batch = penalized_batch(req, prompt)
+    for t in output_so_far:  # the token the step before emitted, then the decode step's own prepare
+        req.output_ids.append(t)
+        ScheduleBatch.cumulate_penalty_output_tokens(batch)
     out = logits_row.clone()[None]
-    orch.apply(out)
+    batch.sampling_info.penalizer_orchestrator.apply(out)
     return out[0]
 
 
@@ -66,13 +82,29 @@ def test_penalties_equal_sglangs_penalizers_row_by_row(params, seed):
     n_out = int(torch.randint(1, 14, (1,), generator=g))  # min_new_tokens=12 falls inside some blocks
     output = torch.randint(0, 12, (n_out,), generator=g).tolist()  # a small alphabet: repeats
     drafts = torch.randint(0, 12, (B - 1,), generator=g)
+    prompt = torch.randint(0, 16, (20,), generator=g).tolist()  # shares tokens with the output and drafts
     logits = torch.randn(B, V, generator=g) * 3
     req = fake_req(output, **params)
     ours = logits.clone()
     penalize(ours, output, drafts, req.sampling_params, stop_token_ids(req))
     for j in range(B):
-        ref = sglang_row_logits(req, logits[j], output + drafts[:j].tolist())
+        ref = sglang_row_logits(req, logits[j], prompt, output + drafts[:j].tolist())
         assert torch.equal(ours[j], ref), f"row {j}: {params}"
+
+
+def test_sglangs_overlap_schedule_penalizes_the_prompts_last_token():
+    """Why the server tests take SGLang's synchronous schedule as the reference under penalties: its overlap
+    schedule prepares a decode step before the step before it has been processed, so
+    cumulate_penalty_output_tokens finds no output at the first decode step and feeds the penalizers the
+    prompt's last token (and later each output token a step late). The DFLASH server is synchronous."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    req = fake_req([], repetition_penalty=2.0)
+    batch = penalized_batch(req, [4, 5, 6, 11])
+    ScheduleBatch.cumulate_penalty_output_tokens(batch)  # the overlap schedule's first decode step: no output yet
+    out = torch.full((1, V), 3.0)
+    batch.sampling_info.penalizer_orchestrator.apply(out)
+    assert out[0, 11] == 1.5 and out[0, 6] == 3.0 and (out[0] == 3.0).sum() == V - 1
 
 
 def test_stop_tokens_are_sglangs_set():
