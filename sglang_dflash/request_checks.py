@@ -12,6 +12,8 @@ there, in the front-end process, before they reach a scheduler.
 
 from __future__ import annotations
 
+import numbers
+
 VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 
 
@@ -19,7 +21,7 @@ def check_input_ids(input_ids, vocab_size: int) -> None:
     """Raise ValueError naming the problem if a prompt has no tokens or ids outside [0, vocab_size)."""
     if len(input_ids) == 0:
         raise ValueError("the request's input is empty: give at least one token (text or input_ids)")
-    bad = [t for t in input_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    bad = [t for t in input_ids if not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"input_ids hold {len(bad)} token id(s) outside this model's vocabulary [0, {vocab_size}): "
                          f"{bad[:5]}")

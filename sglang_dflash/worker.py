@@ -301,10 +301,10 @@ class DFlashWorker(_base()):
 
     def verify(self, batch, block_ids, positions, slots):
         """One target forward over every request's block (TARGET_VERIFY), capturing the hidden states at
-        the draft's target layers -> (logits output, logits [bs, K, V], features [bs, K, F], whether it replayed
-        the target's CUDA graph). The logits
-        are the ones the non-speculative sampler would see at each row: the request's penalties, grammar,
-        logit_bias and custom processors applied as if the drafts before the row were its output."""
+        the draft's target layers -> (logits output, logits [bs, K, V], features [bs, K, F], whether it
+        replayed the target's CUDA graph). The logits are the ones the non-speculative sampler would see at
+        each row: the request's penalties, grammar, logit_bias and custom processors applied as if the drafts
+        before the row were its output."""
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
         from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 
