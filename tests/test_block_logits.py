@@ -32,16 +32,18 @@ class FakeBatch:  # the orchestrator keeps a weak reference to its batch
 
 def penalized_batch(req, prompt):
     """A one-request batch with the penalizer state SGLang builds for it at prefill (the orchestrator of
-    SamplingBatchInfo.from_schedule_batch), the request's prompt in place and no output yet."""
+    SamplingBatchInfo.from_schedule_batch), the request's prompt in place and no output yet. SGLang passes
+    its four penalizers as a set, whose order changes from process to process, and frequency and presence
+    penalties subtracted in another order round differently: here they come in block_logits' order."""
     import sglang.srt.sampling.penaltylib as penaltylib
 
     req.origin_input_ids, req.output_ids = list(prompt), []
     batch = FakeBatch([req])
     batch.sampling_info = SimpleNamespace(penalizer_orchestrator=penaltylib.BatchedPenalizerOrchestrator(
-        vocab_size=V, batch=batch, penalizers={penaltylib.BatchedFrequencyPenalizer,
+        vocab_size=V, batch=batch, penalizers=[penaltylib.BatchedFrequencyPenalizer,
                                                penaltylib.BatchedMinNewTokensPenalizer,
                                                penaltylib.BatchedPresencePenalizer,
-                                               penaltylib.BatchedRepetitionPenalizer}))
+                                               penaltylib.BatchedRepetitionPenalizer]))
     return batch
 
 
