@@ -7,6 +7,8 @@
 #              additions of launch/requirements-dev.txt are installed into it.
 #   .venv      a small venv in this checkout that sees the heavy env through a
 #              .pth file and holds this project as an editable install.
+#   extensions $SGLANG_DFLASH_HOME/extensions/<key>-<hash of csrc/ and setup.py>: the
+#              compiled CUDA extension (where nvcc is), reused by every clone of the same sources.
 #
 # A second run with everything in place finishes in seconds.
 set -euo pipefail
@@ -59,10 +61,25 @@ fi
 
 # 3. This project, editable, re-installed when its metadata changes.
 # (setup.py builds the CUDA extension from csrc/ when nvcc and a CUDA-enabled torch are present)
+# The compiled extension is kept under $HOME_DIR/extensions, keyed by its sources and the heavy env's
+# torch, so that a fresh clone of the same sources reuses it instead of compiling for minutes.
 stamp="$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/csrc/*.cu | sha256sum | cut -c1-12)"
+ext_key="$key-$(cat "$ROOT/setup.py" "$ROOT"/csrc/* | sha256sum | cut -c1-12)"
+EXT_CACHE="$HOME_DIR/extensions/$ext_key"
 if [ "$(cat "$VENV/.project" 2>/dev/null)" != "$stamp" ]; then
-  echo "setup: installing sglang-dflash into $VENV (compiling csrc/ takes a few minutes when nvcc is present)"
-  "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
+  if [ -f "$EXT_CACHE/.complete" ]; then
+    echo "setup: installing sglang-dflash into $VENV, with the CUDA extension compiled before from the same csrc/ ($EXT_CACHE)"
+    cp "$EXT_CACHE"/_C*.so "$ROOT/sglang_dflash/"
+    SGLANG_DFLASH_BUILD_CUDA=0 "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
+  else
+    echo "setup: installing sglang-dflash into $VENV (compiling csrc/ takes a few minutes when nvcc is present)"
+    "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
+    if compgen -G "$ROOT/sglang_dflash/_C*.so" > /dev/null; then
+      mkdir -p "$EXT_CACHE"
+      cp "$ROOT"/sglang_dflash/_C*.so "$EXT_CACHE/"
+      touch "$EXT_CACHE/.complete"
+    fi
+  fi
   echo "$stamp" > "$VENV/.project"
 fi
 echo "setup: ready ($VENV on $HEAVY)"
