@@ -1,0 +1,226 @@
+"""DFlashWorker.decode_step with stub models in place of SGLang's: build -> draft -> verify -> accept ->
+commit, exact and fast, for batches of requests with different prefixes, accept lengths 0 … K-1, a
+window shorter than the block, K = 1, and a sampled request beside greedy ones.
+
+The stub target is a rule: after token x at position t comes rule(x, t). Its verify logits are 0 at
+that token and -1e4 elsewhere, so greedy and sampled requests (T = 1: p is a point mass) both
+follow it exactly. The stub draft proposes the rule's tokens for each request's first `plan` rows
+of the block and a wrong token after them, through a real DraftHead (identity weights, so its q is
+a point mass too). Each test checks what the step emitted and what it wrote: the tokens, the accept
+and sequence lengths, the slots the verify forward wrote, and the draft context rows (position,
+slot, features) of exactly the committed positions, nothing else."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.unit
+
+V = 40  # vocabulary; the stubs' hidden width is V too (one-hot rows)
+MASK = 39
+SCALE = 1e4  # logits 0 at the chosen token, -SCALE elsewhere: softmax is exactly one-hot
+
+
+def rule(token, position):
+    """The stub target's next token after `token` at `position` (tensors or ints), never MASK."""
+    return (5 * token + 3 * position + 1) % (V - 1)
+
+
+def truth(first: int, start: int, n: int) -> list[int]:
+    """The target's tokens at positions start … start + n - 1, the one at start being first."""
+    out = [first]
+    for t in range(start, start + n - 1):
+        out.append(int(rule(out[-1], t)))
+    return out
+
+
+class StubDraft:
+    """The paged draft's interface: forward_block proposes, write_context records."""
+
+    def __init__(self, plan: dict[int, int], block_size: int):
+        self.plan = plan  # req_pool_index -> how many of the block's drafts are right this step
+        self.block_size = block_size
+        self.writes = []  # (features [N, 2], positions [N], slots [N]) per call
+        self.seen = []  # (block tokens [bs, B], positions [bs, B], prefix_lens [bs]) per forward
+
+    def forward_block(self, embeds, positions, req_to_token, req_pool_indices, prefix_lens, max_prefix=None):
+        bs, B, H = embeds.shape
+        assert B == self.block_size and H == V  # the whole block, whatever the window
+        assert max_prefix is None or max_prefix == int(prefix_lens.max())
+        tokens = embeds.argmax(-1)  # the one-hot embedding gives the ids back
+        self.seen.append((tokens.clone(), positions.clone(), prefix_lens.clone()))
+        hidden = torch.zeros(bs, B, V)
+        for i in range(bs):
+            good = self.plan[int(req_pool_indices[i])]
+            want = truth(int(tokens[i, 0]), int(positions[i, 0]), B)
+            for j in range(1, B):  # row j proposes the token at position prefix + j
+                token = want[j] if j <= good else (want[j] + 1) % (V - 1)
+                hidden[i, j, token] = 1.0
+        return hidden
+
+    def write_context(self, features, positions, slots):
+        self.writes.append((features.clone(), positions.clone(), slots.clone()))
+
+
+class StubTarget:
+    """The target worker's verify forward: logits of the rule at each row; features (token, position)."""
+
+    def __init__(self):
+        self.verified = []  # (input ids [N], positions [N], slots written [N])
+
+    def forward_batch_generation(self, batch=None, forward_batch=None, is_verify=False):
+        assert is_verify and batch is None
+        ids, pos = forward_batch.input_ids, forward_batch.positions
+        self.verified.append((ids.clone(), pos.clone(), forward_batch.out_cache_loc.clone()))
+        logits = torch.full((ids.numel(), V), -SCALE)
+        logits[torch.arange(ids.numel()), rule(ids, pos)] = 0.0
+        hidden = torch.stack([ids.float(), pos.float()], dim=1)  # [N, F = 2]
+        return SimpleNamespace(logits_output=SimpleNamespace(next_token_logits=logits, hidden_states=hidden))
+
+
+def prepare_for_verify(self, batch, target_worker):
+    """DFlashVerifyInput.prepare_for_verify reduced to what the stub target reads (SGLang's builds a
+    ForwardBatch for its attention backends)."""
+    fb = SimpleNamespace(input_ids=self.draft_token, positions=self.positions, out_cache_loc=batch.out_cache_loc,
+                         mark_forward_metadata_ready=lambda: None)
+    return fb, False
+
+
+@pytest.fixture
+def make_worker(monkeypatch):
+    from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+
+    from sglang_dflash.draft_head import DraftHead
+    from sglang_dflash.worker import DFlashWorker
+
+    monkeypatch.setattr(DFlashVerifyInput, "prepare_for_verify", prepare_for_verify)
+
+    def make(block_size: int, window: int, page_size: int, plan: dict[int, int]):
+        w = DFlashWorker.__new__(DFlashWorker)  # no SGLang model runner: the stubs stand in for it
+        embed = torch.nn.Embedding(V, V)
+        embed.weight.data = torch.eye(V)
+        w.__dict__.update(
+            _target_worker=StubTarget(), server_args=None, device="cpu", dtype=torch.float32, block_size=block_size,
+            window=window, config=SimpleNamespace(mask_token_id=MASK), page_size=page_size, embed=embed,
+            head=DraftHead(torch.eye(V) * SCALE, V), draft=StubDraft(plan, block_size), tp_size=1, adaptive=None,
+            stats_file=None, warned_custom=False, pending_step=None)
+        return w
+
+    return make
+
+
+def make_batch(prefix_lens, bonus, pool_indices, sampled, page_size, width=128):
+    """The scheduler's batch at a decode step: committed lengths, bonus tokens, req_to_token rows with
+    slots reserved for every position (distinct, page-aligned: slot = page * page_size + offset)."""
+    g = torch.Generator().manual_seed(0)
+    rows = max(pool_indices) + 1
+    pages = torch.randperm(rows * width // page_size, generator=g).view(rows, width // page_size) + 1000
+    req_to_token = (pages[:, :, None] * page_size + torch.arange(page_size)).reshape(rows, width).to(torch.int32)
+    bs = len(prefix_lens)
+    from sglang_dflash.draft_input import make_draft_input
+
+    temps = torch.tensor([[1.0] if s else [1.0] for s in sampled])
+    info = SimpleNamespace(is_all_greedy=not any(sampled), temperatures=temps,
+                           top_ks=torch.tensor([V if s else 1 for s in sampled]), top_ps=torch.ones(bs),
+                           min_ps=torch.zeros(bs), need_min_p_sampling=False, sampling_seed=None, logit_bias=None,
+                           has_custom_logit_processor=False)
+    no_penalty = SimpleNamespace(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=0)
+    return SimpleNamespace(
+        seq_lens=torch.tensor(prefix_lens), seq_lens_cpu=torch.tensor(prefix_lens), seq_lens_sum=sum(prefix_lens),
+        req_pool_indices=torch.tensor(pool_indices), req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+        spec_info=make_draft_input(torch.tensor(bonus), torch.tensor(prefix_lens)), sampling_info=info,
+        reqs=[SimpleNamespace(sampling_params=no_penalty) for _ in prefix_lens], has_grammar=False,
+        return_logprob=False, out_cache_loc=None, batch_size=lambda: bs)
+
+
+def slot_of(batch, i, position):
+    return int(batch.req_to_token_pool.req_to_token[batch.req_pool_indices[i], position])
+
+
+def run_steps(worker, batch, plans: list[dict[int, int]]):
+    """Decode steps with each step's plan; after each, check it against the rule and carry its result
+    into the batch as the scheduler does. Returns every request's emitted tokens."""
+    bs, K = batch.seq_lens.numel(), worker.window
+    emitted = [[] for _ in range(bs)]
+    for plan in plans:
+        worker.draft.plan = plan
+        worker.draft.writes.clear()
+        worker._target_worker.verified.clear()
+        prefix = batch.seq_lens.tolist()
+        bonus = batch.spec_info.bonus_tokens.tolist()
+        res = worker.decode_step(batch)
+
+        accepted = [min(plan[int(batch.req_pool_indices[i])], K - 1) for i in range(bs)]
+        commit = [a + 1 for a in accepted]
+        assert res.speculative_num_draft_tokens == K
+        assert res.accept_lens.tolist() == commit
+        assert res.new_seq_lens.tolist() == [p + c for p, c in zip(prefix, commit)]
+        out = res.next_token_ids.view(bs, K)
+        for i in range(bs):  # the accepted drafts, then the target's own token: the rule's continuation
+            want = truth(bonus[i], prefix[i], commit[i] + 1)[1:]
+            assert out[i, :commit[i]].tolist() == want, (i, plan)
+            emitted[i] += want
+        assert res.next_draft_input.bonus_tokens.tolist() == [e[-1] for e in emitted]
+        assert res.next_draft_input.new_seq_lens.tolist() == res.new_seq_lens.tolist()
+
+        # the verify forward: K rows per request at prefix … prefix + K - 1, written to their reserved slots
+        (ids, pos, written), = worker._target_worker.verified
+        assert pos.view(bs, K).tolist() == [list(range(p, p + K)) for p in prefix]
+        assert written.view(bs, K).tolist() == [[slot_of(batch, i, p + j) for j in range(K)]
+                                                for i, p in enumerate(prefix)]
+        assert ids.view(bs, K)[:, 0].tolist() == bonus
+        if K > 1:  # the draft saw [bonus, MASK, …] over its whole block at prefix … prefix + B - 1
+            tokens, block_pos, seen_prefix = worker.draft.seen[-1]
+            assert tokens[:, 0].tolist() == bonus and bool((tokens[:, 1:] == MASK).all())
+            assert block_pos.tolist() == [list(range(p, p + worker.block_size)) for p in prefix]
+            assert seen_prefix.tolist() == prefix
+
+        # the draft context: exactly the committed positions prefix … prefix + accepted (bonus + accepted drafts)
+        (features, positions, slots), = worker.draft.writes
+        rows = [(i, p + j) for i, p in enumerate(prefix) for j in range(commit[i])]
+        assert positions.tolist() == [t for _, t in rows]
+        assert slots.tolist() == [slot_of(batch, i, t) for i, t in rows]
+        row_tokens = [([bonus[i]] + emitted[i][len(emitted[i]) - commit[i]:])[t - prefix[i]] for i, t in rows]
+        assert features.tolist() == [[float(tok), float(t)] for tok, (_, t) in zip(row_tokens, rows)]
+
+        batch.seq_lens = res.new_seq_lens
+        batch.seq_lens_cpu = res.new_seq_lens.clone()
+        batch.seq_lens_sum = int(res.new_seq_lens.sum())
+        batch.spec_info = res.next_draft_input
+    return emitted
+
+
+PREFIXES, BONUS, POOL = [5, 17, 9, 30], [3, 11, 0, 27], [2, 0, 3, 1]  # four requests, in pool rows out of order
+
+
+@pytest.mark.parametrize("block, window, page", [(8, 8, 1), (8, 4, 1), (8, 8, 4), (16, 5, 16)])
+def test_accept_lengths_zero_to_k_minus_one(make_worker, block, window, page):
+    """Greedy batch: over three steps every request accepts 0, 1, K-2 and K-1 drafts (and a plan past
+    the window is capped at K-1)."""
+    plans = [{0: 0, 1: 1, 2: window - 2, 3: window - 1}, {0: window - 1, 1: 0, 2: 1, 3: block},
+             {0: 1, 1: window - 1, 2: 0, 3: window - 2}]
+    worker = make_worker(block, window, page, plans[0])
+    batch = make_batch(PREFIXES, BONUS, POOL, [False] * 4, page)
+    emitted = run_steps(worker, batch, plans)
+    for i in range(4):  # three steps of one decoding: the target's continuation of the bonus token
+        assert emitted[i] == truth(BONUS[i], PREFIXES[i], len(emitted[i]) + 1)[1:]
+
+
+def test_window_of_one_is_a_plain_decode_step(make_worker):
+    """K = 1: no draft forward, one verify row per request, one token committed."""
+    worker = make_worker(8, 1, 1, {0: 5, 1: 5, 2: 5, 3: 5})
+    batch = make_batch(PREFIXES, BONUS, POOL, [False, True, False, False], 1)
+    run_steps(worker, batch, [{0: 5, 1: 5, 2: 5, 3: 5}] * 2)
+    assert worker.draft.seen == []
+
+
+def test_sampled_and_greedy_requests_in_one_batch(make_worker):
+    """Rejection sampling for the sampled requests (point masses: exact), argmax for the greedy ones
+    (their q is a point mass too), in the same step."""
+    plans = [{0: 0, 1: 2, 2: 7, 3: 3}, {0: 7, 1: 0, 2: 4, 3: 1}]
+    worker = make_worker(8, 8, 1, plans[0])
+    batch = make_batch(PREFIXES, BONUS, POOL, [True, False, True, False], 1)
+    run_steps(worker, batch, plans)
