@@ -55,7 +55,7 @@ def sglang_server(model_path, *args: str, env: dict | None = None, timeout: floa
                     break
             except requests.RequestException:
                 pass
-            time.sleep(2)
+            time.sleep(0.5)
         try:
             yield url
         except BaseException:  # a failed or timed-out caller shows what the server said

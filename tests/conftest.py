@@ -22,6 +22,38 @@ MASK_TOKEN = {"smollm2": 16, "tiny-qwen3": 151669}
 LAYER_IDS = {"smollm2": None, "tiny-qwen3": [1, 2]}
 
 
+# The suite's tiers, in the order they run. Every test has exactly one: its module's `pytestmark` or,
+# in a module of mixed tiers, its own marker. `bash launch/test.sh` runs them all (CI);
+# `bash launch/test.sh unit` is the quick loop.
+TIERS = {
+    "unit": "in-process tests: no server, no training loop, no child process (the quick loop, under 3 minutes)",
+    "process": "child processes without a server: TP ranks over gloo, Triton's interpreter, a fresh interpreter",
+    "train": "runs of the training recipe and of the Transformers backend's generation loop",
+    "server": "real SGLang servers on this machine",
+    "stats": "the statistical tier: thousands of samples tested against the target's exact distribution",
+}
+pytest_plugins = ["shared_servers"]  # the SmolLM2 servers the session shares
+
+
+def pytest_configure(config):
+    for name, what in TIERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
+
+
+def tier(item) -> str:
+    names = {m.name for m in item.iter_markers() if m.name in TIERS}
+    if len(names) != 1:
+        raise pytest.UsageError(f"{item.nodeid} needs exactly one tier marker of {list(TIERS)}, has {sorted(names)}")
+    return names.pop()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Every test in one tier; the tiers run in TIERS' order (module order kept within a tier)."""
+    order = list(TIERS)
+    items.sort(key=lambda item: order.index(tier(item)))
+
+
 def fixture_dir() -> Path:
     return cache_dir() / "fixtures"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
@@ -19,6 +20,28 @@ def sglang_server(model_path, *args: str, env: dict | None = None, timeout: floa
     with _server(model_path, "--mem-fraction-static", "0.3", "--max-total-tokens", "16384", "--log-level", "info",
                  *args, env=env, timeout=timeout, log_path=log_path) as url:
         yield url
+
+
+@contextlib.contextmanager
+def sglang_servers(*specs: tuple):
+    """Several servers at once, each spec (model_path, args tuple, env dict or None[, log path]); yields their URLs.
+    Their start-ups overlap: a start-up is mostly one core's imports and loading, so two take about
+    the time of one on this 2-core machine."""
+    with contextlib.ExitStack() as stack:
+        starting = [sglang_server(model, *args, env=env, log_path=log[0] if log else None)
+                    for model, args, env, *log in specs]
+        with ThreadPoolExecutor(len(starting)) as pool:
+            futures = [pool.submit(cm.__enter__) for cm in starting]
+        urls, failed = [], None
+        for cm, future in zip(starting, futures):
+            try:
+                urls.append(future.result())
+                stack.push(cm.__exit__)
+            except BaseException as e:  # the others, started, are stopped on the way out
+                failed = failed or e
+        if failed is not None:
+            raise failed
+        yield urls
 
 
 def oracle_env(sequences: Path) -> dict:

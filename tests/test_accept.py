@@ -9,6 +9,8 @@ import torch
 
 from sglang_dflash.accept import accept_greedy, accept_sampled, rejection_tables
 
+pytestmark = pytest.mark.unit
+
 
 def one_hot_logits(tokens, vocab):
     return torch.nn.functional.one_hot(torch.tensor(tokens), vocab).float()[None]

@@ -9,6 +9,8 @@ import pytest
 
 from sglang_dflash import bench
 
+pytestmark = pytest.mark.unit
+
 
 def _run(concurrency, tok_s, outputs, tau=None, hist=None):
     per = [{"tokens": len(o), "verify_steps": 4, "tau": tau, "ttft_s": 0.1, "tpot_s": 0.01, "latency_s": 1.0}

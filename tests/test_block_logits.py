@@ -12,6 +12,8 @@ import torch
 
 from sglang_dflash.block_logits import apply_rules, penalize, stop_token_ids
 
+pytestmark = pytest.mark.unit
+
 V, B = 64, 6
 EOS = 2
 

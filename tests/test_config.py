@@ -6,6 +6,8 @@ import torch
 from sglang_dflash.config import DraftConfig, DraftConfigError, default_target_layer_ids, draft_config_for_target
 from sglang_dflash.models.reference import DFlashDraftModel
 
+pytestmark = pytest.mark.unit
+
 # The config of z-lab/Qwen3-8B-DFlash-b16 as public fixtures reproduce it.
 PUBLISHED = {
     "model_type": "qwen3", "architectures": ["DFlashDraftModel"],

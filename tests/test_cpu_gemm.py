@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 from sglang_dflash.cpu import gemm
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 15, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

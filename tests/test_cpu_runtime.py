@@ -2,9 +2,12 @@ import ctypes
 import subprocess
 import sys
 
+import pytest
+
 from sglang_dflash.cpu.runtime import cpu_server_env, libcuda_stub_dir
 
 
+@pytest.mark.process  # compiles the stub with the C compiler when it is not cached
 def test_libcuda_stub_builds_and_says_no_device():
     lib = ctypes.CDLL(str(libcuda_stub_dir() / "libcuda.so.1"))
     assert lib.cuInit(0) == 100  # CUDA_ERROR_NO_DEVICE
@@ -13,6 +16,7 @@ def test_libcuda_stub_builds_and_says_no_device():
     assert hasattr(lib, "cuPointerGetAttribute")
 
 
+@pytest.mark.process
 def test_sgl_kernel_imports_with_the_cpu_env():
     argv, env = cpu_server_env(["--model-path", "x"], {"PATH": "/usr/bin:/bin"})
     assert argv[argv.index("--device") + 1] == "cpu" and env["SGLANG_USE_CPU_ENGINE"] == "1"
@@ -21,6 +25,7 @@ def test_sgl_kernel_imports_with_the_cpu_env():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+@pytest.mark.unit
 def test_tp_settings_split_cores_and_disable_nccl(monkeypatch):
     import os
 

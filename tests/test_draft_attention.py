@@ -27,6 +27,7 @@ def random_case(seed: int, bs: int, h: int, kvh: int, d: int, B: int, max_prefix
             req_to_token, rpi, prefix)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("seed", range(3))
 def test_twin_matches_per_request_sdpa(seed):
     q, kb, vb, ks, vs, req_to_token, rpi, prefix = random_case(seed, bs=4, h=6, kvh=2, d=8, B=4, max_prefix=40)
@@ -38,6 +39,7 @@ def test_twin_matches_per_request_sdpa(seed):
         torch.testing.assert_close(out[r], F.scaled_dot_product_attention(q[r], k, v, scale=0.3))
 
 
+@pytest.mark.unit
 def test_merge_splits_is_the_attention_over_the_union():
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(5, 8, generator=g), torch.randn(30, 8, generator=g), torch.randn(30, 8, generator=g)
@@ -86,6 +88,7 @@ def check_kernel_cases() -> int:
 RUNS = ["interpreter"] + (["cuda"] if torch.cuda.is_available() and da.triton_available() else [])
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("run", RUNS)
 def test_triton_kernel_matches_twin(run):
     """The interpreter runs in a child process with TRITON_INTERPRET=1: Triton decides interpreted or
@@ -103,6 +106,7 @@ def test_triton_kernel_matches_twin(run):
     assert child.stdout.count("max |kernel") == len(KERNEL_CASES)
 
 
+@pytest.mark.unit
 def test_plan_splits():
     assert da.plan_splits(programs=512, max_prefix=4096, block_n=32, target_programs=264) == (1, 4096)
     assert da.plan_splits(programs=8, max_prefix=100, block_n=32, target_programs=264) == (1, 128)

@@ -7,9 +7,12 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 from sglang_dflash.draft_head import DraftHead
+
+pytestmark = pytest.mark.unit
 
 
 class FakeGroup:

@@ -13,6 +13,8 @@ import torch
 
 from sglang_dflash.ops import kernels
 
+pytestmark = pytest.mark.unit
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and kernels.extension_available() else [])
 SEEDS = range(6)
 

@@ -13,6 +13,8 @@ from sglang_dflash.models.reference import DFlashDraftModel
 from sglang_dflash.ops.attention import paged_block_attention
 from sglang_dflash.ops.cpu_kernels import assign_extend_cache_locs, assign_req_to_token_pool, copy_all_layer_kv_cache
 
+pytestmark = pytest.mark.unit
+
 
 def random_pool(g, bs, n, max_prefix, pool=512, width=96):
     """A req_to_token table whose requests own disjoint random slots, and their prefix lengths."""

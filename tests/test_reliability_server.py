@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from conftest import chat_ids
-from server import kv_slots_in_use, oracle_env, sglang_server
+from server import kv_slots_in_use, oracle_env, sglang_servers
 
 pytestmark = pytest.mark.server
 TRAINED_DRAFT = Path(__file__).parent.parent / "launch" / "drafts" / "SmolLM2-135M-Instruct-DFlash"
@@ -65,10 +65,12 @@ def assert_healthy(url: str, reference: dict, what: str):
 
 
 @pytest.fixture(scope="module")
-def cases(smollm2_path, prompts, tmp_path_factory):
+def cases(smollm2_path, prompts, tmp_path_factory, smol_base_url):
     """Prompts ending at each distance from the context's end, chat prompts for the full pool, and the
-    baseline's greedy outputs for both; an oracle file proposing the baseline's output for half of
-    the context-end prompts (whole blocks accepted up to the end), the trained draft for the rest."""
+    reference greedy outputs for both, from the session's server without speculation (its context is
+    longer: a request there is given the max_new_tokens at which SGLang stops it at CONTEXT, 2 positions
+    before the end, as the test of each DFLASH server checks); an oracle file proposing those outputs
+    for half of the context-end prompts (whole blocks accepted up to the end), the trained draft for the rest."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_path))
@@ -76,14 +78,12 @@ def cases(smollm2_path, prompts, tmp_path_factory):
     long_ids = chat_ids(tok, text)
     near_end = [long_ids[:CONTEXT - d - NEW] for d in DISTANCES]
     chats = [ids for ids in (chat_ids(tok, p["prompt"]) for p in prompts) if len(ids) <= 90][:16]
-    assert len(chats) == 16
+    assert len(chats) == 16 and all(len(ids) + CHAT_NEW <= CONTEXT - 2 for ids in chats)
     reference = {"body": greedy(chats[0], 32)}
-    with sglang_server(smollm2_path, *small()) as url:
-        end_refs = run_all(url, [greedy(ids, NEW) for ids in near_end], 8)
-        chat_refs = run_all(url, [chat(ids) for ids in chats], 16)
-        reference["output_ids"] = run_all(url, [reference["body"]], 1)[0]["output_ids"]
-    for d, ids, ref in zip(DISTANCES, near_end, end_refs):  # SGLang stops a request 2 positions before the
-        assert len(ids) + len(ref["output_ids"]) == min(CONTEXT - d, CONTEXT - 2)  # context's end
+    url = smol_base_url
+    end_refs = run_all(url, [greedy(ids, min(NEW, CONTEXT - 2 - len(ids))) for ids in near_end], 8)
+    chat_refs = run_all(url, [chat(ids) for ids in chats], 16)
+    reference["output_ids"] = run_all(url, [reference["body"]], 1)[0]["output_ids"]
     folder = tmp_path_factory.mktemp("reliability")
     (folder / "sequences.json").write_text(json.dumps([{"sequence": ids + ref["output_ids"], "prompt_len": len(ids)}
                                                        for ids, ref in list(zip(near_end, end_refs))[::2]]))
@@ -93,36 +93,35 @@ def cases(smollm2_path, prompts, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def chaos_server(smollm2_path, cases):
-    """The DFLASH server of window 16 and page size 1, its KV pool of 1,024 slots too small for 16 chats
-    at once. SGLang admits a request that may stop at EOS expecting it to need 70 % of its max_new_tokens at
-    first, which leaves these 16 mostly queued; expecting 5 %, it admits them all and must retract some
-    when the pool runs out, as it does under real load. Yields (url, log path)."""
+def dflash_servers(smollm2_path, cases):
+    """A DFLASH server for each (window, page size) of CONFIGS, started together; (16, 1) is the chaos
+    server, its KV pool of 1,024 slots too small for 16 chats at once. SGLang admits a request that may
+    stop at EOS expecting it to need 70 % of its max_new_tokens at first, which leaves these 16 mostly
+    queued; expecting 5 %, it admits them all and must retract some when the pool runs out, as it does
+    under real load. Yields {(window, page): url} and the chaos server's log path."""
     log = cases["folder"] / "chaos-server.log"
-    env = {**cases["env"], "SGLANG_INIT_NEW_TOKEN_RATIO": "0.05"}
-    with sglang_server(smollm2_path, *dflash(16, 1), "--max-total-tokens", "1024", env=env, log_path=str(log)) as url:
-        yield url, log
+    chaos_env = {**cases["env"], "SGLANG_INIT_NEW_TOKEN_RATIO": "0.05"}
+    specs = [(smollm2_path, dflash(16, 1, "--max-total-tokens", "1024"), chaos_env, str(log))]
+    specs += [(smollm2_path, dflash(window, page), cases["env"]) for window, page in CONFIGS if (window, page) != (16, 1)]
+    with sglang_servers(*specs) as urls:
+        yield dict(zip([(16, 1)] + [c for c in CONFIGS if c != (16, 1)], urls)), log
 
 
 @pytest.mark.parametrize("window, page", CONFIGS)
-def test_requests_ending_at_the_context_end(smollm2_path, cases, chaos_server, window, page):
+def test_requests_ending_at_the_context_end(cases, dflash_servers, window, page):
     """Requests whose last token lands 0, 1, K-1, K and K+1 positions (and others) before the context's
     end, all at once (concurrency 8) and one by one: the baseline's tokens, and no slot leaked. Before the
     fix a verify step's KV reservation ran past req_to_token's row there: at 8,192 tokens 8 slots leaked
     per request, at 256 the scheduler crashed."""
-    def check(url):
-        outs = run_all(url, [greedy(ids, NEW) for ids in cases["near_end"]], 8)
-        assert [o["output_ids"] for o in outs] == cases["end_refs"]
-        one_by_one = [i for i, d in enumerate(DISTANCES) if d in (1, window - 1, window, window + 1)]
-        outs = run_all(url, [greedy(cases["near_end"][i], NEW) for i in one_by_one], 1)
-        assert [o["output_ids"] for o in outs] == [cases["end_refs"][i] for i in one_by_one]
-        assert_healthy(url, cases["reference"], f"window {window}, page {page}")
-
-    if (window, page) == (16, 1):
-        check(chaos_server[0])
-        return
-    with sglang_server(smollm2_path, *dflash(window, page), env=cases["env"]) as url:
-        check(url)
+    url = dflash_servers[0][(window, page)]
+    outs = run_all(url, [greedy(ids, NEW) for ids in cases["near_end"]], 8)
+    assert [o["output_ids"] for o in outs] == cases["end_refs"]
+    for d, ids, out in zip(DISTANCES, cases["near_end"], outs):  # SGLang stops a request 2 positions before the
+        assert len(ids) + len(out["output_ids"]) == min(CONTEXT - d, CONTEXT - 2)  # context's end
+    one_by_one = [i for i, d in enumerate(DISTANCES) if d in (1, window - 1, window, window + 1)]
+    outs = run_all(url, [greedy(cases["near_end"][i], NEW) for i in one_by_one], 1)
+    assert [o["output_ids"] for o in outs] == [cases["end_refs"][i] for i in one_by_one]
+    assert_healthy(url, cases["reference"], f"window {window}, page {page}")
 
 
 BAD_REQUESTS = [  # (body, what the 400 says)
@@ -141,11 +140,12 @@ BAD_REQUESTS = [  # (body, what the 400 says)
 ]
 
 
-def test_chaos(cases, chaos_server):
+def test_chaos(cases, dflash_servers):
     """Malformed requests, a storm of streams dropped mid-block, requests ending exactly at the context's
     end, n > 1, and more requests than the KV pool holds, one after another on one server; after each
     the server is healthy, serves the reference request unchanged and holds no KV slot."""
-    url, log = chaos_server
+    urls, log = dflash_servers
+    url = urls[(16, 1)]
     reference = cases["reference"]
     assert_healthy(url, reference, "at the start")
 

@@ -8,6 +8,8 @@ import pytest
 
 from sglang_dflash.request_checks import check_input_ids
 
+pytestmark = pytest.mark.unit
+
 
 def test_in_vocabulary_ids_pass():
     check_input_ids([0, 5, 99], vocab_size=100)

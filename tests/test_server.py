@@ -1,4 +1,5 @@
-"""A real SGLang server on this machine, started by `sglang-dflash serve`, without speculation."""
+"""A real SGLang server on this machine, started by `sglang-dflash serve`, without speculation: the
+session's shared reference server (shared_servers.py)."""
 
 import json
 
@@ -6,12 +7,12 @@ import pytest
 import torch
 
 from conftest import chat_ids, load_target
-from server import generate, sglang_server
+from server import generate
 
 pytestmark = pytest.mark.server
 
 
-def test_cpu_server_float32_equals_hf_greedy(smollm2_path, prompts, tmp_path):
+def test_cpu_server_float32_equals_hf_greedy(smollm2_path, smol_base_url, prompts, tmp_path):
     """And the training recipe's regeneration through the server gives the same responses, in the
     prompt set's order whatever order they finish in."""
     from sglang_dflash.train.recipe import Recipe, regenerate
@@ -21,12 +22,12 @@ def test_cpu_server_float32_equals_hf_greedy(smollm2_path, prompts, tmp_path):
     inputs = [chat_ids(tok, p["prompt"]) for p in prompts[:12:2]]  # 6 prompts across the three sets
     refs = [model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, eos_token_id=eos,
                            pad_token_id=eos)[0, len(ids):].tolist() for ids in inputs]
-    with sglang_server(smollm2_path, "--dtype", "float32") as url:
-        outs = [generate(url, ids, temperature=0, max_new_tokens=64)["output_ids"] for ids in inputs]
-        (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts[:12:2]))
-        recipe = Recipe(target=str(smollm2_path), prompts=[str(tmp_path / "prompts.jsonl")], out=str(tmp_path / "out"),
-                        work=str(tmp_path / "work"), max_new_tokens=64, server_url=url, gen_concurrency=6)
-        rows = regenerate(recipe, tok)
+    url = smol_base_url
+    outs = [generate(url, ids, temperature=0, max_new_tokens=64)["output_ids"] for ids in inputs]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts[:12:2]))
+    recipe = Recipe(target=str(smollm2_path), prompts=[str(tmp_path / "prompts.jsonl")], out=str(tmp_path / "out"),
+                    work=str(tmp_path / "work"), max_new_tokens=64, server_url=url, gen_concurrency=6)
+    rows = regenerate(recipe, tok)
     assert [r["id"] for r in rows] == [str(p["id"]) for p in prompts[:12:2]]
     assert [r["prompt_ids"] for r in rows] == inputs and [r["output_ids"] for r in rows] == refs
     for ids, out, ref in zip(inputs, outs, refs):

@@ -12,6 +12,8 @@ from sglang_dflash.config import DraftConfig
 from sglang_dflash.models.reference import DFlashDraftModel
 from sglang_dflash.server import free_port
 
+pytestmark = pytest.mark.process
+
 
 def draft_config(heads: int, kv_heads: int, attention_bias: bool = False, width: int = 96) -> DraftConfig:
     return DraftConfig(hidden_size=64, intermediate_size=width, num_hidden_layers=2, num_attention_heads=heads,

@@ -1,8 +1,11 @@
 """The statistical tier's own tests can fail: same-distribution samples pass, a wrong one does not."""
 
+import pytest
 import torch
 
 from stats import P_FAIL, chi2_sf, goodness_of_fit, two_sample
+
+pytestmark = pytest.mark.unit
 
 
 def draws(probs, n, seed):

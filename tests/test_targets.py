@@ -1,6 +1,10 @@
 import os
 
+import pytest
+
 from sglang_dflash.targets import prepare_target
+
+pytestmark = pytest.mark.unit
 
 
 def test_smollm2_folder(smollm2_path):

@@ -13,6 +13,8 @@ from sglang_dflash.train.objective import (IGNORE, accepted_prefix, block_attent
                                            position_weights, sample_anchors)
 
 
+
+@pytest.mark.unit
 @pytest.mark.parametrize("seed", range(5))
 def test_mask_equals_brute_force(seed):
     gen = torch.Generator().manual_seed(seed)
@@ -34,6 +36,7 @@ def test_mask_equals_brute_force(seed):
             assert bool(mask[q, key]) == want, (q, key)
 
 
+@pytest.mark.unit
 def test_block_inputs_and_labels():
     tokens = torch.arange(100, 120)  # T = 20
     ids, pos, labels = block_inputs(tokens, torch.tensor([3, 15]), block_size=8, mask_token_id=7)
@@ -43,6 +46,7 @@ def test_block_inputs_and_labels():
     assert labels[1].tolist() == [IGNORE, 116, 117, 118, 119] + [IGNORE] * 3  # past the end of the sequence
 
 
+@pytest.mark.unit
 def test_position_weights():
     w = position_weights(16, gamma=7.0)
     assert w[0] == 0 and w[1] == 1
@@ -50,12 +54,14 @@ def test_position_weights():
         assert math.isclose(w[k].item(), math.exp(-(k - 1) / 7), rel_tol=1e-6)
 
 
+@pytest.mark.unit
 def test_accepted_prefix():
     labels = torch.tensor([[IGNORE, 1, 2, 3, 4], [IGNORE, 1, 2, 3, 4], [IGNORE, 1, 2, IGNORE, IGNORE]])
     pred = torch.tensor([[9, 1, 2, 0, 4], [9, 0, 2, 3, 4], [9, 1, 2, 3, 4]])
     assert accepted_prefix(pred, labels).tolist() == [2, 0, 2]
 
 
+@pytest.mark.train
 def test_batched_greedy_equals_transformers_generate(tiny_qwen3_path, prompts):
     """Left-padded prompts of different lengths, rows that stop at different steps (so finished rows are
     dropped from the batch mid-way) and rows that run to max_new_tokens: each output equals Transformers'
@@ -86,6 +92,7 @@ def test_batched_greedy_equals_transformers_generate(tiny_qwen3_path, prompts):
     assert greedy_batch(model, ids, 24, [], pad=0) == free
 
 
+@pytest.mark.train
 def test_batched_greedy_captures_what_a_second_pass_computes(tiny_qwen3_path, prompts):
     """capture: the features that come out of the generating forwards (prompt rows from the prefill, one row per
     output token, rows dropped mid-way, rows that stop early and rows that run to max_new_tokens) are, for every
@@ -114,6 +121,7 @@ def test_batched_greedy_captures_what_a_second_pass_computes(tiny_qwen3_path, pr
                                        atol=1e-3 * want.abs().max().item())
 
 
+@pytest.mark.train
 def test_feature_cache_takes_the_captured_features(tiny_qwen3_path, tmp_path):
     """build_feature_cache uses the features saved by the regeneration (captured/) for the responses that have
     them, runs the target for the others, removes captured/ when done, and refuses captured features whose tokens
@@ -142,6 +150,7 @@ def test_feature_cache_takes_the_captured_features(tiny_qwen3_path, tmp_path):
         build_feature_cache(model, rows, [0, 1], tmp_path / "g", progress=False)
 
 
+@pytest.mark.train
 def test_a_cache_of_more_layers_serves_a_draft_of_fewer(tiny_qwen3_path, tmp_path):
     """A feature folder made (or captured) with the states of more target layers than a draft uses keeps
     them when the recipe asks for a subset, and load(layer_ids) gives that subset's columns, in the draft's
@@ -173,6 +182,7 @@ def test_a_cache_of_more_layers_serves_a_draft_of_fewer(tiny_qwen3_path, tmp_pat
         build_feature_cache(model, rows, [0, 1], tmp_path / "g", progress=False)
 
 
+@pytest.mark.unit
 def test_number_variants():
     """prompt-variants: every whole number of 2 and up becomes another near it, nothing else changes (decimals,
     ordinals, words, thousands separators kept); a prompt without such a number gives no variant; the same seed
@@ -195,6 +205,7 @@ def test_number_variants():
             assert new == f"{int(new.replace(',', '')):,}"  # a separator where the number has thousands
 
 
+@pytest.mark.unit
 def test_a_rewritten_shard_leaves_its_hard_links_alone(tmp_path):
     """A stage's work folder starts with hard links to the stage before's shards; rebuilding a shard there (the
     last one, when the prompt count grows past it) must not change the earlier folder's copy."""
@@ -216,6 +227,7 @@ def test_a_rewritten_shard_leaves_its_hard_links_alone(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new.json", "new.safetensors", "old.json", "old.safetensors"]
 
 
+@pytest.mark.unit
 def test_mapped_safetensors_equals_load_file(tmp_path):
     """The feature cache maps its shards instead of reading them (a cache larger than memory trains): every
     tensor equals safetensors' own reading, of every dtype the shards and a checkpoint hold, and writing to a
@@ -270,6 +282,7 @@ def tiny_run(tiny_qwen3_path, prompts, tmp_path_factory):
                 paused_card=paused_card)
 
 
+@pytest.mark.train
 def test_training_lowers_the_loss_and_raises_tau(tiny_run, tiny_qwen3_path):
     from sglang_dflash.models.reference import DFlashDraftModel
     from sglang_dflash.train.data import read_prompts
@@ -291,6 +304,7 @@ def test_training_lowers_the_loss_and_raises_tau(tiny_run, tiny_qwen3_path):
     assert len(after["accept_rate_by_row"]) == 7 and after["accept_rate_by_row"] == sorted(after["accept_rate_by_row"], reverse=True)
 
 
+@pytest.mark.train
 def test_replayed_acceptance_equals_real_decoding(tiny_run, tiny_qwen3_path, tmp_path):
     """eval-draft's replay (greedy steps replayed from the target's batched greedy continuation) gives,
     prompt by prompt, the tokens and verify steps of real speculative decoding, with a half-trained draft
@@ -351,6 +365,7 @@ def evaluate_walk(draft, frozen, seq, length):
     return replay_walk(draft, lambda ids: frozen.embed[ids], frozen.head, seq.tokens, seq.context, seq.prompt_len, length)
 
 
+@pytest.mark.train
 def test_a_resumed_run_continues_where_it_paused(tiny_run):
     assert tiny_run["first"]["step"] == 300 and tiny_run["resumed"]["step"] == 600
     assert not tiny_run["paused_card"] and (tiny_run["base"] / "paused" / "TRAINING.json").exists()
@@ -359,6 +374,7 @@ def test_a_resumed_run_continues_where_it_paused(tiny_run):
     assert a == b, "pausing at step 300 and resuming did not give the uninterrupted run's weights"
 
 
+@pytest.mark.train
 def test_trained_checkpoint_loads_in_the_serving_path(tiny_run, tiny_qwen3_path):
     from safetensors.torch import load_file
 
@@ -376,6 +392,7 @@ def test_trained_checkpoint_loads_in_the_serving_path(tiny_run, tiny_qwen3_path)
     assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
 
 
+@pytest.mark.train
 def test_a_run_continues_from_an_earlier_draft(tiny_run):
     """--init DRAFT: a new run (its own work folder, here a schedule of 20 steps) starts from an earlier run's
     exported weights, so its first steps already have that run's low loss; a draft of another architecture, or
@@ -407,6 +424,7 @@ def test_a_run_continues_from_an_earlier_draft(tiny_run):
                                 work=str(tiny_run["base"] / "work-nodraft")))
 
 
+@pytest.mark.train
 def test_the_export_is_the_best_heldout_step(tiny_run, tiny_qwen3_path, tmp_path, monkeypatch):
     """With held-out sequences, the published-format draft is the weights of the step with the best held-out
     decoding τ, not the last step's (a long run on little data overfits). The held-out figures are scripted
@@ -460,6 +478,7 @@ def test_the_export_is_the_best_heldout_step(tiny_run, tiny_qwen3_path, tmp_path
     assert again.keys() == last.keys() and all(torch.equal(again[k], last[k]) for k in last)
 
 
+@pytest.mark.train
 def test_two_workers_train_as_one(tiny_run, tiny_qwen3_path, tmp_path):
     """--workers 2 (train/parallel.py): two processes, each computing its share of every step's sequences
     (3 a step, so the shares are uneven) and summing gradients, train the draft that one process trains, up to
@@ -499,6 +518,7 @@ def test_two_workers_train_as_one(tiny_run, tiny_qwen3_path, tmp_path):
     assert gap < 1e-3 * moved
 
 
+@pytest.mark.unit
 def test_autocast_setting():
     """bf16 autocast on, off, or auto: on only where bf16 products are native (emulated bf16 made this CPU's
     products five times slower than float32)."""

@@ -8,6 +8,8 @@ import pytest
 
 from sglang_dflash.window import PRIOR, AdaptiveWindow
 
+pytestmark = pytest.mark.unit
+
 
 def simulated_step_seconds(bs: int, k: int) -> float:
     """A CPU-like server (SmolLM2's step profile on the 2-core CPU, roughly): a decode step's fixed cost and

@@ -1,0 +1,94 @@
+"""The statistical tier: sampled output (temperature > 0) from the DFLASH server follows the target's
+exact distribution (issue 6), on the session's shared server pair (shared_servers.py)."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+import torch
+
+from conftest import MASK_TOKEN, load_target
+from shared_servers import STAT_TEXTS, stat_ids
+from stats import P_FAIL, exact_paths, goodness_of_fit, two_sample
+
+pytestmark = pytest.mark.stats
+
+# Each case draws STAT_SAMPLES completions of 3 tokens from the baseline server and from the DFLASH
+# server with a verify window of 4 (on a 2-core AVX2 CPU a case took about 6 minutes with a 16-row
+# verify per request to produce two tokens, 2.5-3.3 with 4 rows; the accept rule's row count is a
+# parameter that tests/test_accept.py enumerates). The first token comes from the prefill; the next two from verify steps, so they go through
+# rejection sampling. On the "point-mass draft" prompt the oracle plugin proposes the greedy
+# continuation (q is a point mass; often accepted); on the "random draft" prompt the random draft
+# samples its own proposals from its q (almost always rejected: the residual path). Each sample is
+# tested against the exact distribution (enumerated with the HF model in float32, paths of
+# probability >= 5 / STAT_SAMPLES) and against the baseline's samples.
+STAT_SAMPLES = 2000
+STAT_SETTINGS = {"T=0.7": {"temperature": 0.7}, "T=1.0": {"temperature": 1.0},
+                 "top_p=0.9": {"temperature": 1.0, "top_p": 0.9}, "top_k=20": {"temperature": 1.0, "top_k": 20},
+                 "min_p=0.1": {"temperature": 1.0, "min_p": 0.1}}
+# every setting once, the point-mass draft where acceptance is likely, the random draft for the rest
+STAT_CASES = [("point-mass draft", "T=0.7"), ("point-mass draft", "top_p=0.9"), ("point-mass draft", "min_p=0.1"),
+              ("random draft", "T=1.0"), ("random draft", "top_k=20")]
+
+
+def sample_many(url: str, ids: list[int], n: int, params: dict) -> tuple[list[tuple], list[dict]]:
+    r = requests.post(url + "/generate", timeout=1800, json={
+        "input_ids": [ids] * n, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True, **params}})
+    r.raise_for_status()
+    outs = r.json()
+    return [tuple(o["output_ids"]) for o in outs], [o["meta_info"] for o in outs]
+
+
+@pytest.mark.parametrize("prompt,setting", STAT_CASES)
+def test_sampled_output_follows_the_target_distribution(smol, smol_base_url, window4_url, hf_smol, prompt, setting):
+    from sglang_dflash.accept import filtered_probs
+
+    params = STAT_SETTINGS[setting]
+    ids = stat_ids(smol, prompt)
+    base, _ = sample_many(smol_base_url, ids, STAT_SAMPLES, params)
+    spec, meta = sample_many(window4_url, ids, STAT_SAMPLES, params)
+
+    def filt(logits):
+        n, V = logits.shape
+        full = lambda v: torch.full((n,), float(v))  # noqa: E731
+        return filtered_probs(logits, full(params["temperature"]), full(params.get("top_k", V)).long(),
+                              full(params.get("top_p", 1.0)), full(params.get("min_p", 0.0)))
+
+    exact = exact_paths(hf_smol, ids, 3, filt, min_prob=5 / STAT_SAMPLES)
+    p = {"dflash vs exact": goodness_of_fit(spec, exact), "baseline vs exact": goodness_of_fit(base, exact),
+         "dflash vs baseline": two_sample(spec, base)}
+    one_step = sum(m["spec_verify_ct"] == 1 for m in meta) / len(meta)  # both verified tokens in one step
+    print(f"{prompt} {setting}: p-values {p}; {len(set(spec))} distinct outcomes, "
+          f"{len(exact)} exact paths >= {5 / STAT_SAMPLES}; first draft accepted in {one_step:.1%} of requests")
+    assert all(len(s) == 3 for s in spec) and all(m["spec_verify_ct"] in (1, 2) for m in meta)
+    assert min(p.values()) > P_FAIL, p
+    if prompt == "point-mass draft":
+        assert one_step * STAT_SAMPLES >= 20, "the point-mass proposals were (almost) never accepted: the accept path went untested"
+
+
+# ---- the Transformers backend (sglang_dflash.generate), one request at a time -----------------------
+HF_SAMPLES = 500
+
+
+def test_transformers_backend_samples_the_target_distribution(smollm2_path):
+    """Temperature 1 through a random draft (its proposals almost always rejected: the residual path):
+    HF_SAMPLES two-token outputs follow the target's exact distribution (χ², paths of probability
+    >= 5 / HF_SAMPLES enumerated with the same model); a seeded generator gives the same outputs again."""
+    from sglang_dflash.config import draft_config_for_target
+    from sglang_dflash.generate import spec_generate
+    from sglang_dflash.models.reference import DFlashDraftModel
+
+    model, tok = load_target(smollm2_path)
+    ids = tok(STAT_TEXTS["random draft"]).input_ids
+    draft = DFlashDraftModel.random(draft_config_for_target(model.config, num_layers=2, block_size=16,
+                                                            mask_token_id=MASK_TOKEN["smollm2"]), seed=0)
+    gen_ = torch.Generator().manual_seed(7)
+    samples = [tuple(spec_generate(model, draft, torch.tensor(ids), max_new_tokens=2, temperature=1.0,
+                                   generator=gen_).tokens) for _ in range(HF_SAMPLES)]
+    exact = exact_paths(model, ids, 2, lambda logits: torch.softmax(logits, -1), min_prob=5 / HF_SAMPLES)
+    p = goodness_of_fit(samples, exact)
+    print(f"spec_generate, T=1: p-value {p:.3g}, {len(set(samples))} distinct outcomes, {len(exact)} exact paths")
+    assert p > P_FAIL
+    again = torch.Generator().manual_seed(7)
+    assert [tuple(spec_generate(model, draft, torch.tensor(ids), max_new_tokens=2, temperature=1.0,
+                                generator=again).tokens) for _ in range(20)] == samples[:20]
