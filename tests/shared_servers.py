@@ -56,7 +56,7 @@ def dflash_args(draft: Path, *extra: str, window: int = 16) -> tuple[str, ...]:
 
 @pytest.fixture(scope="session")
 def smol_base_url(smollm2_path):
-    """The SmolLM2 server without speculation, float32, kept up for the module. Synchronous, as the DFLASH
+    """The SmolLM2 server without speculation, float32, kept up for the session. Synchronous, as the DFLASH
     server is: SGLang's overlap schedule (its default without speculation) feeds its penalizers the
     prompt's last token at the first decode step and then each output token one step late (the scheduler
     reads req.output_ids before the previous step's result is in), so under penalties its own output
