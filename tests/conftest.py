@@ -54,6 +54,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: order.index(tier(item)))
 
 
+def random_draft(target_config, name: str, seed: int = 0):
+    """A random 2-layer draft of block 16 for the target `name` (its config: a transformers config)."""
+    from sglang_dflash.config import draft_config_for_target
+    from sglang_dflash.models.reference import DFlashDraftModel
+
+    cfg = draft_config_for_target(target_config, num_layers=2, block_size=16, mask_token_id=MASK_TOKEN[name],
+                                  target_layer_ids=LAYER_IDS[name])
+    return DFlashDraftModel.random(cfg, seed=seed)
+
+
 def fixture_dir() -> Path:
     return cache_dir() / "fixtures"
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
@@ -24,24 +23,13 @@ def sglang_server(model_path, *args: str, env: dict | None = None, timeout: floa
 
 @contextlib.contextmanager
 def sglang_servers(*specs: tuple):
-    """Several servers at once, each spec (model_path, args tuple, env dict or None[, log path]); yields their URLs.
-    Their start-ups overlap: a start-up is mostly one core's imports and loading, so two take about
-    the time of one on this 2-core machine."""
+    """Several servers, each spec (model_path, args tuple, env dict or None[, log path]); yields their URLs.
+    They start one after another: SGLang sizes a CPU server's KV pool from the memory free when it
+    measures, and a neighbour loading at that moment left one with no room for its pool (started together,
+    the reliability module's four servers failed so, one run in two)."""
     with contextlib.ExitStack() as stack:
-        starting = [sglang_server(model, *args, env=env, log_path=log[0] if log else None)
-                    for model, args, env, *log in specs]
-        with ThreadPoolExecutor(len(starting)) as pool:
-            futures = [pool.submit(cm.__enter__) for cm in starting]
-        urls, failed = [], None
-        for cm, future in zip(starting, futures):
-            try:
-                urls.append(future.result())
-                stack.push(cm.__exit__)
-            except BaseException as e:  # the others, started, are stopped on the way out
-                failed = failed or e
-        if failed is not None:
-            raise failed
-        yield urls
+        yield [stack.enter_context(sglang_server(model, *args, env=env, log_path=log[0] if log else None))
+               for model, args, env, *log in specs]
 
 
 def oracle_env(sequences: Path) -> dict:

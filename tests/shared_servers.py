@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import LAYER_IDS, MASK_TOKEN, chat_ids, load_target
+from conftest import chat_ids, load_target, random_draft
 from server import generate, oracle_env, sglang_server
 
 TRAINED_DRAFT = Path(__file__).parent.parent / "launch" / "drafts" / "SmolLM2-135M-Instruct-DFlash"  # the shipped one
@@ -34,12 +34,7 @@ def save_random_draft(target_path: Path, out: Path, name: str, seed: int = 0) ->
     """A random 2-layer draft for the target, saved in bf16 (the server runs it in its own dtype)."""
     from transformers import AutoConfig
 
-    from sglang_dflash.config import draft_config_for_target
-    from sglang_dflash.models.reference import DFlashDraftModel
-
-    cfg = draft_config_for_target(AutoConfig.from_pretrained(str(target_path)), num_layers=2, block_size=16,
-                                  mask_token_id=MASK_TOKEN[name], target_layer_ids=LAYER_IDS[name])
-    DFlashDraftModel.random(cfg, seed=seed).to(torch.bfloat16).save_pretrained(out)
+    random_draft(AutoConfig.from_pretrained(str(target_path)), name, seed).to(torch.bfloat16).save_pretrained(out)
     return out
 
 

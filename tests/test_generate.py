@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import sglang_dflash.generate as gen
-from sglang_dflash.config import draft_config_for_target
 from sglang_dflash.generate import spec_generate
 from sglang_dflash.models.reference import DFlashDraftModel
 
-from conftest import LAYER_IDS, MASK_TOKEN, chat_ids
+import conftest
+from conftest import chat_ids
 from shared_servers import TRAINED_DRAFT
 
 pytestmark = pytest.mark.train
@@ -26,9 +26,7 @@ def hf_greedy(model, ids: list[int], max_new_tokens: int, eos) -> list[int]:
 
 
 def random_draft(model, name, seed=0):
-    cfg = draft_config_for_target(model.config, num_layers=2, block_size=16, mask_token_id=MASK_TOKEN[name],
-                                  target_layer_ids=LAYER_IDS[name])
-    return DFlashDraftModel.random(cfg, seed=seed)
+    return conftest.random_draft(model.config, name, seed)
 
 
 def serving_draft(model, name):

@@ -7,7 +7,7 @@ import pytest
 import requests
 import torch
 
-from conftest import MASK_TOKEN, load_target
+from conftest import load_target, random_draft
 from shared_servers import STAT_TEXTS, stat_ids
 from stats import P_FAIL, exact_paths, goodness_of_fit, two_sample
 
@@ -74,14 +74,11 @@ def test_transformers_backend_samples_the_target_distribution(smollm2_path):
     """Temperature 1 through a random draft (its proposals almost always rejected: the residual path):
     HF_SAMPLES two-token outputs follow the target's exact distribution (χ², paths of probability
     >= 5 / HF_SAMPLES enumerated with the same model); a seeded generator gives the same outputs again."""
-    from sglang_dflash.config import draft_config_for_target
     from sglang_dflash.generate import spec_generate
-    from sglang_dflash.models.reference import DFlashDraftModel
 
     model, tok = load_target(smollm2_path)
     ids = tok(STAT_TEXTS["random draft"]).input_ids
-    draft = DFlashDraftModel.random(draft_config_for_target(model.config, num_layers=2, block_size=16,
-                                                            mask_token_id=MASK_TOKEN["smollm2"]), seed=0)
+    draft = random_draft(model.config, "smollm2")
     gen_ = torch.Generator().manual_seed(7)
     samples = [tuple(spec_generate(model, draft, torch.tensor(ids), max_new_tokens=2, temperature=1.0,
                                    generator=gen_).tokens) for _ in range(HF_SAMPLES)]
