@@ -12,7 +12,7 @@ from sglang_dflash.cpu import gemm
 pytestmark = pytest.mark.unit
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 15, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 15, 64, 65, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_equals_f_linear(rows, dtype):
     torch.manual_seed(rows)
@@ -45,8 +45,9 @@ def test_sglang_layers_take_it_only_inside_the_verify_scope():
         out = gemm.linear_method_apply(original, None, layer, x)
         head = gemm.compute_lm_head(original_head, None, x, layer)
         gemm.linear_method_apply(original, None, layer, x[:1])  # one row: no cliff, SGLang's path
+        gemm.linear_method_apply(original, None, layer, torch.randn(gemm.FAST_MAX_ROWS + 1, 16))  # many: SGLang's
         layer.use_intel_amx_backend = True  # packed weights: SGLang's own kernel
         gemm.linear_method_apply(original, None, layer, x)
-    assert calls == ["sglang", "sglang head", "sglang", "sglang"]
+    assert calls == ["sglang", "sglang head", "sglang", "sglang", "sglang"]
     torch.testing.assert_close(out, F.linear(x, layer.weight))
     torch.testing.assert_close(head, F.linear(x, layer.weight))

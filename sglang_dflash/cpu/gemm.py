@@ -9,7 +9,15 @@ lm_head with weights not in cache, ms per forward of M rows):
 
 torch's float32 x @ W.T falls off a cliff for a few rows, and the other orientation does not:
 with it, verifying a block of 4 tokens costs less than decoding one. bfloat16 shows no cliff
-(27 against 33 ms at M=4), so only float32 takes this path.
+(27 against 33 ms at M=4), so only float32 takes this path. Past about 96 rows the other orientation
+loses (every linear layer of the 30 and the lm_head, weights cycled through memory, ms per forward):
+
+    M                      4    16    64    96   128   256   512
+    F.linear(x, W)        93   111   229   304   374   738  1466
+    (W @ x.T).T           43    84   204   308   392   835  1925
+
+so it is taken from 2 to FAST_MAX_ROWS rows: a verify batch of 16 requests × 16 rows or 128 × 4 (the
+window-4 server at load) takes SGLang's product.
 
 `linear` computes the product the fast way. Inside `verify_scope()` the target's linear layers and
 its lm_head (SGLang's UnquantizedLinearMethod.apply and LogitsProcessor._compute_lm_head, hooked by
@@ -25,11 +33,12 @@ import torch
 import torch.nn.functional as F
 
 _verify_depth = 0
+FAST_MAX_ROWS = 64
 
 
 def takes_fast_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     rows = x.numel() // max(x.shape[-1], 1)
-    return x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and rows >= 2
+    return x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and 2 <= rows <= FAST_MAX_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
