@@ -41,24 +41,6 @@ def goodness_of_fit(samples: list, probs: dict, min_expected: float = 5.0) -> fl
     return chi2_sf(stat, len(observed) - 1)
 
 
-def two_sample(a: list, b: list, min_count: int = 10) -> float:
-    """Are samples a and b drawn from the same distribution? χ² test of homogeneity on the outcomes
-    seen at least min_count times in both together; the rest pooled into one bin."""
-    ca, cb = Counter(a), Counter(b)
-    na, nb = len(a), len(b)
-    common = [o for o in set(ca) | set(cb) if ca[o] + cb[o] >= min_count]
-    rows = [(ca[o], cb[o]) for o in common]
-    rest = (na - sum(x for x, _ in rows), nb - sum(y for _, y in rows))
-    if sum(rest) >= min_count:
-        rows.append(rest)
-    stat = 0.0
-    for x, y in rows:
-        total = x + y
-        ea, eb = total * na / (na + nb), total * nb / (na + nb)
-        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
-    return chi2_sf(stat, len(rows) - 1)
-
-
 @torch.no_grad()
 def exact_paths(model, prompt_ids: list[int], depth: int, filt, min_prob: float) -> dict[tuple, float]:
     """The exact probability of every path of depth tokens whose probability is at least min_prob,

@@ -209,6 +209,39 @@ def test_top_p_on_the_sorted_head_equals_the_full_sort(monkeypatch):
             assert torch.equal(got > 0, want > 0)
 
 
+def test_filtered_probs_is_the_distribution_sglangs_sampler_draws_from():
+    """filtered_probs (the target's distribution in every accept rule) equals what SGLang's torch sampler
+    (the CPU server's) draws from: softmax(logits / T), then its top-k, top-p and min-p filter, read back
+    with return_filtered_probs and renormalised, for each setting alone and mixed per row (no ties: at an
+    exact tie with the k-th token SGLang keeps k by sort order, filtered_probs all of them). With this,
+    the statistical tier tests DFLASH's samples against filtered_probs of the target's exact logits."""
+    from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
+
+    from sglang_dflash.accept import filtered_probs
+
+    g = torch.Generator().manual_seed(11)
+    V, N = 3000, 32
+    logits = torch.randn(N, V, generator=g) * torch.linspace(0.3, 8.0, N)[:, None]  # flat to peaked rows
+    full = lambda v, dtype=torch.float32: torch.full((N,), v, dtype=dtype)  # noqa: E731
+    settings = {"T=0.7": (full(0.7), full(V, torch.long), full(1.0), full(0.0)),
+                "top_p=0.9": (full(1.0), full(V, torch.long), full(0.9), full(0.0)),
+                "top_k=20": (full(1.0), full(20, torch.long), full(1.0), full(0.0)),
+                "min_p=0.1": (full(1.0), full(V, torch.long), full(1.0), full(0.1)),
+                "mixed": (torch.rand(N, generator=g) + 0.3, torch.randint(1, V, (N,), generator=g),
+                          torch.rand(N, generator=g), torch.rand(N, generator=g) * 0.3)}
+    for name, (T, top_ks, top_ps, min_ps) in settings.items():
+        probs = torch.softmax(logits / T[:, None], dim=-1)
+        _, weights, index, _ = top_k_top_p_min_p_sampling_from_probs_torch(
+            probs.clone(), top_ks, top_ps, min_ps, bool((min_ps > 0).any()), None, torch.zeros(N, dtype=torch.long),
+            return_filtered_probs=True)
+        sglang = torch.zeros_like(probs).scatter_(-1, index.long(), weights)
+        sglang /= sglang.sum(-1, keepdim=True)
+        ours = filtered_probs(logits, T, top_ks, top_ps, min_ps)
+        # a token of probability above 1e-7 kept by one and not the other fails this; below it, SGLang's
+        # float32 cumulative sum passes 1 in the tail of a flat row and drops tokens even at top_p 1
+        torch.testing.assert_close(ours, sglang, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_target_rows_are_formed_only_where_acceptance_reaches():
     """accept_sampled_rows asks for row j's target distribution only for the requests that accepted
     every draft before it; the result equals accept_sampled's with all of p given."""

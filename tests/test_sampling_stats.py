@@ -1,5 +1,5 @@
 """The statistical tier: sampled output (temperature > 0) from the DFLASH server follows the target's
-exact distribution (issue 6), on the session's shared server pair (shared_servers.py)."""
+exact distribution (issue 6), on the session's shared window-4 server (shared_servers.py)."""
 
 from __future__ import annotations
 
@@ -9,19 +9,22 @@ import torch
 
 from conftest import load_target, random_draft
 from shared_servers import STAT_TEXTS, stat_ids
-from stats import P_FAIL, exact_paths, goodness_of_fit, two_sample
+from stats import P_FAIL, exact_paths, goodness_of_fit
 
 pytestmark = pytest.mark.stats
 
-# Each case draws STAT_SAMPLES completions of 3 tokens from the baseline server and from the DFLASH
-# server with a verify window of 4 (on a 2-core AVX2 CPU a case took about 6 minutes with a 16-row
-# verify per request to produce two tokens, 2.5-3.3 with 4 rows; the accept rule's row count is a
-# parameter that tests/test_accept.py enumerates). The first token comes from the prefill; the next two from verify steps, so they go through
-# rejection sampling. On the "point-mass draft" prompt the oracle plugin proposes the greedy
-# continuation (q is a point mass; often accepted); on the "random draft" prompt the random draft
-# samples its own proposals from its q (almost always rejected: the residual path). Each sample is
-# tested against the exact distribution (enumerated with the HF model in float32, paths of
-# probability >= 5 / STAT_SAMPLES) and against the baseline's samples.
+# Each case draws STAT_SAMPLES completions of 3 tokens from the DFLASH server with a verify window of 4
+# (on a 2-core AVX2 CPU a case took about 6 minutes with a 16-row verify per request to produce two
+# tokens; the accept rule's row count is a parameter that tests/test_accept.py enumerates). The first
+# token comes from the prefill; the next two from verify steps, so they go through rejection sampling.
+# On the "point-mass draft" prompt the oracle plugin proposes the greedy continuation (q is a point mass;
+# often accepted); on the "random draft" prompt the random draft samples its own proposals from its q
+# (almost always rejected: the residual path). Each case's samples are tested against the exact
+# distribution: filtered_probs (the distribution SGLang's own sampler draws from, checked exactly in
+# tests/test_accept.py) of the target's logits, enumerated with the HF model in float32 over the paths
+# of probability >= 5 / STAT_SAMPLES. Each case is one request of STAT_SAMPLES prompts: the five sent
+# as one took longer (755 against about 550 s), as one top_p row sends a whole verify batch through
+# the sorting path.
 STAT_SAMPLES = 2000
 STAT_SETTINGS = {"T=0.7": {"temperature": 0.7}, "T=1.0": {"temperature": 1.0},
                  "top_p=0.9": {"temperature": 1.0, "top_p": 0.9}, "top_k=20": {"temperature": 1.0, "top_k": 20},
@@ -40,12 +43,11 @@ def sample_many(url: str, ids: list[int], n: int, params: dict) -> tuple[list[tu
 
 
 @pytest.mark.parametrize("prompt,setting", STAT_CASES)
-def test_sampled_output_follows_the_target_distribution(smol, smol_base_url, window4_url, hf_smol, prompt, setting):
+def test_sampled_output_follows_the_target_distribution(smol, window4_url, hf_smol, prompt, setting):
     from sglang_dflash.accept import filtered_probs
 
     params = STAT_SETTINGS[setting]
     ids = stat_ids(smol, prompt)
-    base, _ = sample_many(smol_base_url, ids, STAT_SAMPLES, params)
     spec, meta = sample_many(window4_url, ids, STAT_SAMPLES, params)
 
     def filt(logits):
@@ -55,13 +57,12 @@ def test_sampled_output_follows_the_target_distribution(smol, smol_base_url, win
                               full(params.get("top_p", 1.0)), full(params.get("min_p", 0.0)))
 
     exact = exact_paths(hf_smol, ids, 3, filt, min_prob=5 / STAT_SAMPLES)
-    p = {"dflash vs exact": goodness_of_fit(spec, exact), "baseline vs exact": goodness_of_fit(base, exact),
-         "dflash vs baseline": two_sample(spec, base)}
+    p = goodness_of_fit(spec, exact)
     one_step = sum(m["spec_verify_ct"] == 1 for m in meta) / len(meta)  # both verified tokens in one step
-    print(f"{prompt} {setting}: p-values {p}; {len(set(spec))} distinct outcomes, "
+    print(f"{prompt} {setting}: p-value {p:.3g}; {len(set(spec))} distinct outcomes, "
           f"{len(exact)} exact paths >= {5 / STAT_SAMPLES}; first draft accepted in {one_step:.1%} of requests")
     assert all(len(s) == 3 for s in spec) and all(m["spec_verify_ct"] in (1, 2) for m in meta)
-    assert min(p.values()) > P_FAIL, p
+    assert p > P_FAIL, p
     if prompt == "point-mass draft":
         assert one_step * STAT_SAMPLES >= 20, "the point-mass proposals were (almost) never accepted: the accept path went untested"
 

@@ -388,17 +388,16 @@ def test_tiny_qwen3_lossless_float32(tiny_qwen3_path, prompts, tmp_path):
     assert_same(outs, base, "tiny-qwen3")
 
 
-def test_chunked_prefill_and_page_size_16(smol):
-    """Long prompts prefilled in chunks of 64 tokens, KV pages of 16 tokens."""
+def test_chunked_prefill_and_page_size_16(smol, smol_base_url):
+    """Long prompts prefilled in chunks of 64 tokens, KV pages of 16 tokens: the outputs are the session's
+    reference server's (no speculation, whole prompts in one prefill, pages of 1), token for token."""
     tok = smol["tok"]
     long_prompts = ["\n\n".join(p for p in (smol["tok"].decode(ids) for ids in smol["inputs"][i:i + 4]))
                     for i in range(0, 16, 4)]
     inputs = [chat_ids(tok, p) for p in long_prompts] + smol["inputs"][16:20]
     assert max(len(ids) for ids in inputs) > 300
-    flags = ("--chunked-prefill-size", "64", "--page-size", "16")
-    with sglang_servers((smol["path"], ("--dtype", "float32", *flags), None),
-                        (smol["path"], dflash_args(smol["draft"], *flags), None)) as (base_url, url):
-        base = run_all(base_url, inputs, 4, max_new_tokens=64)
+    base = run_all(smol_base_url, inputs, 4, max_new_tokens=64)
+    with sglang_server(smol["path"], *dflash_args(smol["draft"], "--chunked-prefill-size", "64", "--page-size", "16")) as url:
         outs = run_all(url, inputs, 4, max_new_tokens=64)
     assert_same(outs, base, "chunked prefill + page size 16")
 
