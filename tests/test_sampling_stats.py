@@ -25,7 +25,8 @@ pytestmark = pytest.mark.stats
 # of probability >= 5 / STAT_SAMPLES. Its power at P_FAIL: 5 points of probability moved off the most
 # likely path (21 %) of the T=0.7 case are caught with probability 0.99, 4 points 0.77, 3 points 0.18
 # (simulated, 200 draws of 2,000). Each case is one request of STAT_SAMPLES prompts: the five sent as
-# one request took 755 s, one by one 538 s (filtered_probs sorts every row of a batch in which one row has top_p < 1).
+# one request took 755 s, one by one 538 s (filtered_probs sorts every row of a batch in which one row
+# has top_p < 1).
 STAT_SAMPLES = 2000
 STAT_SETTINGS = {"T=0.7": {"temperature": 0.7}, "T=1.0": {"temperature": 1.0},
                  "top_p=0.9": {"temperature": 1.0, "top_p": 0.9}, "top_k=20": {"temperature": 1.0, "top_k": 20},
