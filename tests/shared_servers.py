@@ -160,7 +160,8 @@ def oracle_url(oracle_server):
 @pytest.fixture(scope="session")
 def window4_url(smol, oracle_server):
     """The oracle server's proposals with --speculative-num-draft-tokens 4 (the draft's block stays 16)."""
-    # 128 running requests: the statistical tier's 2,000-sample cases took 55-181 s so, 148-221 s with 1,024
+    # 128 running requests: the statistical tier's cases (then with 2,000 baseline samples each as well)
+    # took 55-181 s so, 148-221 s with 1,024
     with sglang_server(smol["path"], *dflash_args(smol["draft"], "--max-running-requests", "128", window=4),
                        env=oracle_env(oracle_server["sequences"])) as url:
         yield url

@@ -9,8 +9,7 @@ import sglang_dflash.generate as gen
 from sglang_dflash.generate import spec_generate
 from sglang_dflash.models.reference import DFlashDraftModel
 
-import conftest
-from conftest import chat_ids
+from conftest import chat_ids, random_draft
 from shared_servers import TRAINED_DRAFT
 
 pytestmark = pytest.mark.train
@@ -25,15 +24,11 @@ def hf_greedy(model, ids: list[int], max_new_tokens: int, eos) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def random_draft(model, name, seed=0):
-    return conftest.random_draft(model.config, name, seed)
-
-
 def serving_draft(model, name):
     """SmolLM2: the shipped trained draft (accept lengths of every size); tiny Qwen3: a random one."""
     if name == "smollm2":
         return DFlashDraftModel.from_pretrained(TRAINED_DRAFT, dtype=torch.float32)
-    return random_draft(model, name)
+    return random_draft(model.config, name)
 
 
 REFERENCE_PROMPTS = (0, 4, 5, 8)  # tests/data/prompts.jsonl: gsm8k_test, two HumanEval (long code), mt_bench
@@ -83,7 +78,7 @@ def long_reference(target, prompts):
 def test_oracle_draft_accepts_whole_blocks(target, prompts, monkeypatch):
     name, model, tok = target
     ids, ref = long_reference(target, prompts)
-    draft = random_draft(model, name)
+    draft = random_draft(model.config, name)
     monkeypatch.setattr(gen, "draft_block", oracle(ids + ref))
     out = spec_generate(model, draft, torch.tensor(ids), max_new_tokens=100)  # not a multiple of 16
     assert out.tokens == ref[:100]
@@ -101,7 +96,7 @@ def test_stop_token_inside_a_block(target, prompts, monkeypatch, use_oracle):
     stop = ref[k]
     expected = hf_greedy(model, ids, NEW_TOKENS, eos=stop)
     assert expected == ref[:k + 1]
-    draft = random_draft(model, name)
+    draft = random_draft(model.config, name)
     if use_oracle:
         monkeypatch.setattr(gen, "draft_block", oracle(ids + ref))
     out = spec_generate(model, draft, torch.tensor(ids), max_new_tokens=NEW_TOKENS, stop_token_ids=[stop])
@@ -113,6 +108,6 @@ def test_stop_token_inside_a_block(target, prompts, monkeypatch, use_oracle):
 def test_max_new_tokens_exact(target, prompts):
     name, model, tok = target
     ids, ref = long_reference(target, prompts)
-    draft = random_draft(model, name)
+    draft = random_draft(model.config, name)
     for n in (1, 2, 17, 37):
         assert spec_generate(model, draft, torch.tensor(ids), max_new_tokens=n).tokens == ref[:n]
