@@ -34,6 +34,7 @@ DATASETS = {
                   "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{}\n```"),
     "mbpp": (("google-research-datasets/mbpp", "sanitized"), "test", "prompt", "{}"),
     "mt-bench": (("HuggingFaceH4/mt_bench_prompts",), "train", "prompt", "{}"),
+    "sharegpt": (None, None, None, "{}"),  # ShareGPT's held-out conversations (train/sources.py), offline
 }
 
 
@@ -46,6 +47,10 @@ def load_prompts(name: str, num: int, dataset_path: str | None = None) -> list[d
     hub, split, field, template = DATASETS[name]
     if dataset_path:
         rows = _read_jsonl(Path(dataset_path), "prompt")
+    elif hub is None:  # sharegpt: the first turns of the conversations no training run may use
+        from sglang_dflash.train.sources import SHAREGPT_HELDOUT, load_source
+
+        rows = load_source(SHAREGPT_HELDOUT)
     elif _hub_reachable():
         from datasets import load_dataset
 

@@ -73,9 +73,37 @@ def cmd_train(args) -> int:
                     server_url=args.server_url, gen_dtype=args.gen_dtype, gen_concurrency=args.gen_concurrency,
                     feature_dtype=args.feature_dtype, num_layers=args.num_layers, block_size=args.block_size,
                     mask_token_id=args.mask_token_id, target_layer_ids=args.target_layer_ids, init=args.init,
-                    fit=fit, device=args.device)
+                    fit=fit, device=args.device, until=args.until, heldout_sets=args.heldout_sets or [],
+                    self_temperature=args.self_temperature,
+                    train_on_evaluation_prompts=args.train_on_evaluation_prompts)
     metrics = run(recipe)
     print(json.dumps(metrics, indent=2))
+    return 0
+
+
+def cmd_prompts(args) -> int:
+    from sglang_dflash.train.sources import training_prompts
+
+    self_source = None
+    if args.target:
+        import torch
+
+        from sglang_dflash.train.recipe import load_target
+        from sglang_dflash.train.self_prompts import sample_self_prompts
+
+        model, tok = load_target(args.target, torch.float32)
+        cache = Path(args.out).with_suffix(".self.jsonl")
+        self_source = lambda n: sample_self_prompts(model, tok, n, cache, args.seed, args.self_temperature)  # noqa: E731
+    rows, report = training_prompts(args.sources, args.num_prompts, args.seed, args.heldout_sets, self_source,
+                                    check=not args.train_on_evaluation_prompts)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    Path(args.out).with_suffix(".decontamination.json").write_text(json.dumps(report, indent=2) + "\n")
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["source"]] = counts.get(row["source"], 0) + 1
+    print(f"{args.out}: {len(rows)} prompts {counts}; decontamination dropped {report['dropped']} "
+          f"{report['by_source']} (report: {Path(args.out).with_suffix('.decontamination.json')})")
     return 0
 
 
@@ -93,9 +121,9 @@ def cmd_eval_draft(args) -> int:
     import torch
 
     from sglang_dflash.models.reference import DFlashDraftModel
-    from sglang_dflash.train.data import read_prompts
     from sglang_dflash.train.evaluate import eval_draft
     from sglang_dflash.train.recipe import load_target
+    from sglang_dflash.train.sources import load_source
 
     dtype = getattr(torch, args.dtype)
     target, tok = load_target(args.target, dtype)
@@ -104,7 +132,7 @@ def cmd_eval_draft(args) -> int:
     draft.config.check_target(target.config)
     report = {}
     for path in args.prompts:
-        prompts = read_prompts(path, args.num_prompts)
+        prompts = load_source(path, args.num_prompts)
         method = args.method or ("replay" if args.temperature == 0 else "decode")
         report[path] = eval_draft(target, tok, draft, prompts, args.max_new_tokens, temperature=args.temperature,
                                   method=method)
@@ -131,6 +159,14 @@ def cmd_demo(args) -> int:
     return run_demo(args)
 
 
+def _prompt_flags(p) -> None:
+    p.add_argument("--self-temperature", type=float, default=1.0,
+                   help="the temperature the self source samples user turns at")
+    p.add_argument("--train-on-evaluation-prompts", action="store_true",
+                   help="keep prompts that are in (or near) an evaluation set: no decontamination (the tests' "
+                        "tiny recipes train on test prompts on purpose)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # everything after `serve` belongs to launch_server
@@ -149,10 +185,20 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_prepare_target)
     p = sub.add_parser("train", help="train a DFlash draft for a target (resumable: re-run the same command)")
     p.add_argument("--target", required=True, help="the target model folder")
-    p.add_argument("--prompts", nargs="+", required=True, help="JSONL prompt sets (field 'prompt')")
+    p.add_argument("--prompts", nargs="+", required=True,
+                   help="prompt sources: JSONL files (field 'prompt') or named sources (sharegpt: ShareGPT V3's "
+                        "human turns; self: user turns sampled from the target), each optionally NAME=WEIGHT to "
+                        "mix them (train/sources.py); decontaminated against the evaluation sets")
     p.add_argument("--out", required=True, help="where the draft checkpoint (published format) goes")
     p.add_argument("--work", default=None, help="responses, feature cache, optimizer state (default OUT.work)")
-    p.add_argument("--num-prompts", type=int, default=None, help="at most this many prompts per file")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="at most this many prompts per source; with weights, the size of the mix")
+    p.add_argument("--heldout-sets", nargs="*", default=None,
+                   help="more evaluation prompt files to keep out of training (benchmarks/data, the shared test "
+                        "sets and ShareGPT's held-out split always are)")
+    p.add_argument("--until", choices=["regenerate", "features", "fit"], default="fit",
+                   help="stop after this phase (a long regeneration can run alone, over several sittings)")
+    _prompt_flags(p)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--generator", choices=["sglang", "hf"], default="sglang",
                    help="who regenerates the responses: an SGLang server (launched, or --server-url) or Transformers")
@@ -175,6 +221,17 @@ def main(argv: list[str] | None = None) -> int:
         else:
             p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=f"default {f.default}")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("prompts", help="write a training prompt set: sources mixed and decontaminated")
+    p.add_argument("--sources", nargs="+", required=True,
+                   help="as train's --prompts: JSONL files, sharegpt, self, each optionally NAME=WEIGHT")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="at most this many prompts per source; with weights, the size of the mix")
+    p.add_argument("--seed", type=int, default=0, help="the mix's shuffle and the self source's sampling")
+    p.add_argument("--heldout-sets", nargs="*", default=None, help="more evaluation prompt files to keep out")
+    p.add_argument("--target", default=None, help="the target model folder (the self source samples from it)")
+    p.add_argument("--out", required=True, help="the prompt file (JSONL); self prompts are kept beside it")
+    _prompt_flags(p)
+    p.set_defaults(func=cmd_prompts)
     p = sub.add_parser("prompt-variants", help="more training prompts: copies of a prompt set with other numbers")
     p.add_argument("--prompts", required=True)
     p.add_argument("--num-prompts", type=int, default=None)
@@ -185,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("eval-draft", help="τ and per-row acceptance of a draft (Transformers backend)")
     p.add_argument("--target", required=True)
     p.add_argument("--draft", required=True)
-    p.add_argument("--prompts", nargs="+", required=True)
+    p.add_argument("--prompts", nargs="+", required=True,
+                   help="JSONL prompt files, or sharegpt-heldout (ShareGPT's conversations kept out of training)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

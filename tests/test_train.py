@@ -265,7 +265,8 @@ def tiny_run(tiny_qwen3_path, prompts, tmp_path_factory):
                         save_every=1000, **fit)
         return Recipe(target=str(tiny_qwen3_path), prompts=[str(file)], out=str(base / name), work=str(base / ("work-" + name)),
                       max_new_tokens=48, generator="hf", gen_dtype="float32", feature_dtype="float32", num_layers=1, block_size=8,
-                      mask_token_id=151669, target_layer_ids=[1, 2], init="random", fit=cfg)
+                      mask_token_id=151669, target_layer_ids=[1, 2], init="random", fit=cfg,
+                      train_on_evaluation_prompts=True)  # test prompts, on purpose
 
     straight = recipe("straight")
     paused = recipe("paused", stop_at=300)

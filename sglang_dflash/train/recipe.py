@@ -20,16 +20,21 @@ from sglang_dflash.models.reference import DFlashDraftModel
 from sglang_dflash.train import data
 from sglang_dflash.train.features import build_feature_cache, stored_layers
 from sglang_dflash.train.parallel import fit_parallel
+from sglang_dflash.train.sources import training_prompts
 from sglang_dflash.train.trainer import FitConfig, Frozen, fit, init_from_target, training_vocab
 
 
 @dataclasses.dataclass
 class Recipe:
     target: str
-    prompts: list[str]  # JSONL files
+    prompts: list[str]  # source specs: JSONL files, named sources, NAME=WEIGHT (train/sources.py)
     out: str
     work: str
-    num_prompts: int | None = None  # per file
+    num_prompts: int | None = None  # per source; with weights, the size of the mix
+    heldout_sets: list[str] = dataclasses.field(default_factory=list)  # more files to decontaminate against
+    until: str = "fit"  # regenerate | features | fit: the last phase this run does
+    self_temperature: float = 1.0  # the self source's sampling temperature
+    train_on_evaluation_prompts: bool = False  # no decontamination (logged): the tests' tiny recipes
     max_new_tokens: int = 256
     generator: str = "sglang"  # sglang | hf
     server_url: str | None = None  # use a running server instead of launching one
@@ -56,7 +61,15 @@ def load_target(path: str, dtype: torch.dtype):
 def regenerate(r: Recipe, tok, target=None, layer_ids: list[int] | None = None) -> list[dict]:
     """The target's responses to the prompt set; with the hf generator in the feature dtype, the features of
     layer_ids are captured on the way (features.build_feature_cache takes them from work/features/captured)."""
-    prompts = [p for f in r.prompts for p in data.read_prompts(f, r.num_prompts)]
+    def self_source(n: int) -> list[dict]:  # the self source samples from the loaded target
+        from sglang_dflash.train.self_prompts import sample_self_prompts
+
+        return sample_self_prompts(target if target is not None else load_target(r.target, torch.float32)[0], tok,
+                                   n, Path(r.work) / "self-prompts.jsonl", r.fit.seed, r.self_temperature)
+
+    prompts, report = training_prompts(r.prompts, r.num_prompts, r.fit.seed, r.heldout_sets, self_source,
+                                       check=not r.train_on_evaluation_prompts)
+    (Path(r.work) / "decontamination.json").write_text(json.dumps(report, indent=2) + "\n")
     out = Path(r.work) / "responses.jsonl"
     if r.generator == "hf":  # batches of gen_concurrency prompts, in gen_dtype
         dtype = getattr(torch, r.gen_dtype)
@@ -109,7 +122,11 @@ def run(r: Recipe) -> dict:
     torch.manual_seed(r.fit.seed)
     draft = initial_draft(r, cfg, target)  # before the long phases: a bad --init fails at once
     responses = regenerate(r, tok, target, stored_layers(work / "features", cfg.target_layer_ids))
+    if r.until == "regenerate":
+        return {"phase": "regenerate", "responses": len(responses)}
     cache = build_feature_cache(target, responses, cfg.target_layer_ids, work / "features")
+    if r.until == "features":
+        return {"phase": "features", "responses": len(responses)}
     seqs = cache.load(cfg.target_layer_ids)
 
     frozen = Frozen(target.get_input_embeddings().weight.float().cpu(),
