@@ -69,6 +69,7 @@ def regenerate(r: Recipe, tok, target=None, layer_ids: list[int] | None = None) 
 
     prompts, report = training_prompts(r.prompts, r.num_prompts, r.fit.seed, r.heldout_sets, self_source,
                                        check=not r.train_on_evaluation_prompts)
+    Path(r.work).mkdir(parents=True, exist_ok=True)
     (Path(r.work) / "decontamination.json").write_text(json.dumps(report, indent=2) + "\n")
     out = Path(r.work) / "responses.jsonl"
     if r.generator == "hf":  # batches of gen_concurrency prompts, in gen_dtype
