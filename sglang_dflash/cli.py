@@ -84,8 +84,7 @@ def cmd_train(args) -> int:
 def cmd_prompts(args) -> int:
     from sglang_dflash.train.sources import training_prompts
 
-    self_source = None
-    if args.target:
+    def self_source(n: int) -> list[dict]:  # loads the target only when a self source asks for prompts
         import torch
 
         from sglang_dflash.train.recipe import load_target
@@ -93,8 +92,10 @@ def cmd_prompts(args) -> int:
 
         model, tok = load_target(args.target, torch.float32)
         cache = Path(args.out).with_suffix(".self.jsonl")
-        self_source = lambda n: sample_self_prompts(model, tok, n, cache, args.seed, args.self_temperature)  # noqa: E731
-    rows, report = training_prompts(args.sources, args.num_prompts, args.seed, args.heldout_sets, self_source,
+        return sample_self_prompts(model, tok, n, cache, args.seed, args.self_temperature)
+
+    rows, report = training_prompts(args.sources, args.num_prompts, args.seed, args.heldout_sets,
+                                    self_source if args.target else None,
                                     check=not args.train_on_evaluation_prompts)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in rows))

