@@ -98,19 +98,19 @@ def kernel_rows(bw: float):
 
         target = torch.randint(0, 4, (bs, B), device="cuda", generator=g)
         draft = torch.where(torch.rand(bs, B - 1, device="cuda", generator=g) < 0.9, target[:, :-1], -1)
-        aargs = (draft, target, seq)
+        aargs = (draft, target)
         out = kernels.accept_greedy(*aargs)
         twin = kernels.accept_greedy_torch(*aargs)
         rows.append(("accept_greedy", f"bs={bs}", all(torch.equal(a, b) for a, b in zip(out, twin)),
                      cuda_time(lambda: kernels.accept_greedy(*aargs)),
-                     cuda_time(lambda: kernels.accept_greedy_torch(*aargs)), nbytes(draft, target, seq, *out)))
+                     cuda_time(lambda: kernels.accept_greedy_torch(*aargs)), nbytes(draft, target, *out)))
     for N, T in ((32, 512), (64, 2048)):
         anchors = torch.randint(0, T, (N,), device="cuda", generator=g).sort().values
-        out = kernels.block_attention_mask(anchors, T, B)
-        twin = kernels.block_attention_mask_torch(anchors, T, B)
-        rows.append(("block_attention_mask", f"N={N} T={T}", torch.equal(out, twin),
-                     cuda_time(lambda: kernels.block_attention_mask(anchors, T, B)),
-                     cuda_time(lambda: kernels.block_attention_mask_torch(anchors, T, B)), nbytes(out)))
+        out = kernels.training_block_mask(anchors, T, B)
+        twin = kernels.training_block_mask_torch(anchors, T, B)
+        rows.append(("training_block_mask", f"N={N} T={T}", torch.equal(out, twin),
+                     cuda_time(lambda: kernels.training_block_mask(anchors, T, B)),
+                     cuda_time(lambda: kernels.training_block_mask_torch(anchors, T, B)), nbytes(out)))
     return [(n, s, ok, tk * 1e6, tt * 1e6, b / tk / 1e9, 100 * b / tk / bw) for n, s, ok, tk, tt, b in rows]
 
 

@@ -154,12 +154,11 @@ std::vector<torch::Tensor> gather_context_features(torch::Tensor hidden, torch::
 }
 
 // ---- accept_greedy --------------------------------------------------------------------------
-// One thread per request: the longest prefix of draft_tokens[r] equal to target_tokens[r, :-1],
-// the target's token after it, and the committed length seq_lens[r] + accept_len + 1.
+// One thread per request: the longest prefix of draft_tokens[r] equal to target_tokens[r, :-1] and the
+// target's token after it.
 __global__ void accept_greedy_kernel(const int64_t* __restrict__ draft_tokens, const int64_t* __restrict__ target_tokens,
-                                     const int64_t* __restrict__ seq_lens, int64_t bs, int B,
-                                     int64_t* __restrict__ accept_len, int64_t* __restrict__ next_token,
-                                     int64_t* __restrict__ new_seq_lens) {
+                                     int64_t bs, int B, int64_t* __restrict__ accept_len,
+                                     int64_t* __restrict__ next_token) {
   int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= bs) return;
   const int64_t* d = draft_tokens + r * (B - 1);
@@ -168,29 +167,25 @@ __global__ void accept_greedy_kernel(const int64_t* __restrict__ draft_tokens, c
   while (n < B - 1 && d[n] == t[n]) ++n;
   accept_len[r] = n;
   next_token[r] = t[n];
-  new_seq_lens[r] = seq_lens[r] + n + 1;
 }
 
-std::vector<torch::Tensor> accept_greedy(torch::Tensor draft_tokens, torch::Tensor target_tokens,
-                                         torch::Tensor seq_lens) {
-  CHECK_CUDA(draft_tokens); CHECK_CUDA(target_tokens); CHECK_CUDA(seq_lens);
-  CHECK_LONG(draft_tokens); CHECK_LONG(target_tokens); CHECK_LONG(seq_lens);
-  CHECK_CONTIG(draft_tokens); CHECK_CONTIG(target_tokens); CHECK_CONTIG(seq_lens);
+std::vector<torch::Tensor> accept_greedy(torch::Tensor draft_tokens, torch::Tensor target_tokens) {
+  CHECK_CUDA(draft_tokens); CHECK_CUDA(target_tokens);
+  CHECK_LONG(draft_tokens); CHECK_LONG(target_tokens);
+  CHECK_CONTIG(draft_tokens); CHECK_CONTIG(target_tokens);
   TORCH_CHECK(target_tokens.dim() == 2 && draft_tokens.dim() == 2 &&
                   draft_tokens.size(0) == target_tokens.size(0) && draft_tokens.size(1) == target_tokens.size(1) - 1,
-              "draft_tokens must be [bs, B-1] and target_tokens [bs, B]");
+              "draft_tokens must be [bs, K-1] and target_tokens [bs, K]");
   const c10::cuda::CUDAGuard guard(draft_tokens.device());
   int64_t bs = target_tokens.size(0), B = target_tokens.size(1);
-  auto accept_len = torch::empty({bs}, seq_lens.options());
-  auto next_token = torch::empty({bs}, seq_lens.options());
-  auto new_seq_lens = torch::empty({bs}, seq_lens.options());
-  if (bs == 0) return {accept_len, next_token, new_seq_lens};
+  auto accept_len = torch::empty({bs}, target_tokens.options());
+  auto next_token = torch::empty({bs}, target_tokens.options());
+  if (bs == 0) return {accept_len, next_token};
   accept_greedy_kernel<<<blocks_for(bs), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      draft_tokens.data_ptr<int64_t>(), target_tokens.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), bs,
-      static_cast<int>(B), accept_len.data_ptr<int64_t>(), next_token.data_ptr<int64_t>(),
-      new_seq_lens.data_ptr<int64_t>());
+      draft_tokens.data_ptr<int64_t>(), target_tokens.data_ptr<int64_t>(), bs, static_cast<int>(B),
+      accept_len.data_ptr<int64_t>(), next_token.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {accept_len, next_token, new_seq_lens};
+  return {accept_len, next_token};
 }
 
 // ---- block_attention_mask -------------------------------------------------------------------
@@ -222,6 +217,6 @@ torch::Tensor block_attention_mask(torch::Tensor anchors, int64_t seq_len, int64
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("build_block", &build_block, "block ids, positions and KV slots of every request's draft block");
   m.def("gather_context_features", &gather_context_features, "committed verify rows, packed in request order");
-  m.def("accept_greedy", &accept_greedy, "greedy accept length, next token and new sequence length per request");
+  m.def("accept_greedy", &accept_greedy, "greedy accept length and the target's next token per request");
   m.def("block_attention_mask", &block_attention_mask, "the DFlash training block mask");
 }

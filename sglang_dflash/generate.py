@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from sglang_dflash.accept import accept_greedy, accept_sampled
+from sglang_dflash.block import make_block
 
 
 @dataclasses.dataclass
@@ -47,11 +48,9 @@ def sample(logits: torch.Tensor, temperature: float, generator=None) -> torch.Te
 
 
 def build_block(bonus: int, start: int, block_size: int, mask_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[bonus, MASK, …, MASK] at positions start … start + B - 1, both [1, B]."""
-    ids = torch.full((1, block_size), mask_token_id, dtype=torch.long, device=device)
-    ids[0, 0] = bonus
-    positions = torch.arange(start, start + block_size, device=device)[None]
-    return ids, positions
+    """[bonus, MASK, …, MASK] at positions start … start + B - 1, both [1, B] (block.make_block)."""
+    return make_block(torch.tensor([bonus], device=device), torch.tensor([start], device=device), block_size,
+                      mask_token_id)
 
 
 @torch.no_grad()

@@ -1,8 +1,9 @@
 """How many rows each verify step checks, chosen from what steps cost and what they commit.
 
-`--speculative-num-draft-tokens K` fixes the verify window: every step checks the bonus token and K-1
-drafts per request. With SGLANG_DFLASH_WINDOW=adaptive the worker instead picks, each step, the
-window k in 1 … K that is expected to commit the most tokens per second at the batch's size:
+`--speculative-num-draft-tokens K` alone fixes the verify window: every step checks the bonus token and K-1
+drafts per request. Without it (K is then the draft's block B), or with `--speculative-adaptive`, the worker
+instead picks, each step, the window k in 1 … K that is expected to commit the most tokens per second at the
+batch's size:
 
     E(k) = 1 + a_1 + … + a_{k-1}     tokens committed per request (a_j = P(at least j drafts accepted))
     T(bs, k)                          seconds per decode step at batch size bs
@@ -26,11 +27,22 @@ depend on k (greedy: the target's tokens; sampling: the target's distribution), 
     follow the load and the machine.
 
 Wall times differ between tensor-parallel ranks: the worker takes rank 0's choice.
+
+CUDA graphs (decided here; not yet run on a GPU). SGLang captures the target's verify forward as a CUDA graph
+for K rows per request only (speculative_num_draft_tokens); a step of any other window runs that forward
+eagerly. The policy needs no special case for this, because it chooses from measured step times: an eager
+small window is chosen only where it measured faster than the graphed K. What would mislead it is the
+interpolation between anchors: between an eager 8 and a graphed 16 it would take the windows 9 … 15 (eager,
+as slow as 8 or slower) to cost between the two. So where graphs run (`anchors_only`, set by the worker on
+CUDA unless graphs are disabled) the choice is among the measured anchors only (1, 2, 4, …, K), never an
+interpolated window. Capturing a graph for each anchor would make the small windows graphed too; SGLang
+0.5.23 does that only for EAGLE's adaptive states, so it is left for when a GPU run shows it pays.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 PRIOR = 0.5  # a_j before any step observed it
 RATE = 0.05  # the decay of older counts at each new observation of a row
@@ -46,15 +58,17 @@ class Bucket:
 
 
 class AdaptiveWindow:
-    def __init__(self, max_window: int, refresh: int = 64):
+    def __init__(self, max_window: int, refresh: int = 64, anchors_only: bool = False):
         assert max_window >= 2
         self.K = max_window
         self.refresh = refresh
+        self.anchors_only = anchors_only  # choose among measured anchors only (CUDA graphs: see above)
         powers = {1 << i for i in range(max_window.bit_length()) if 1 << i < max_window}
         self.anchors = sorted(powers | {max_window}, reverse=True)  # K first: start where the fixed window is
         self.hits = [PRIOR ** j for j in range(max_window)]  # decayed count of requests accepting >= j drafts
         self.seen = [1.0] * max_window  # decayed count of requests whose row j was checked
         self.buckets: dict[int, Bucket] = {}
+        self.pending: tuple[int, int, float] | None = None  # the decode step being timed: (batch size, k, start)
 
     @staticmethod
     def bucket_of(batch_size: int) -> int:
@@ -87,7 +101,21 @@ class AdaptiveWindow:
         for k in self.anchors:  # an anchor unmeasured or stale: measure it
             if k not in bucket.seconds or bucket.steps - bucket.measured_at[k] > self.refresh:
                 return k
-        return max(range(1, self.K + 1), key=lambda k: self.expected_tokens(k) / self.step_seconds(bucket, k))
+        windows = self.anchors if self.anchors_only else range(1, self.K + 1)
+        return max(windows, key=lambda k: self.expected_tokens(k) / self.step_seconds(bucket, k))
+
+    # The step clock. A decode step's wall time runs from its start to the start of the scheduler's next
+    # forward, so that it includes the scheduler's own share of the step; hence two calls: start_step when
+    # the step's window is set, end_step when the next forward begins (not counted if that forward is not a
+    # decode: the time would then include whatever the scheduler did for a prefill).
+    def start_step(self, batch_size: int, k: int) -> None:
+        self.pending = (batch_size, k, time.perf_counter())
+
+    def end_step(self, next_is_decode: bool) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None and next_is_decode:
+            batch_size, k, start = pending
+            self.observe_step(batch_size, k, time.perf_counter() - start)
 
     def observe_step(self, batch_size: int, k: int, seconds: float) -> None:
         """A decode step of window k took this long (start to the next forward's start)."""

@@ -16,18 +16,14 @@ gathered verify logits, the all-reduced hidden states of target and draft), so t
 construction; random draws (sampled drafts, rejection sampling) are taken from rank 0
 (`tp_broadcast`).
 
-Shapes: bs requests, B the draft's block size, K ≤ B the verify window (--speculative-num-draft-tokens,
-B by default; with SGLANG_DFLASH_WINDOW=adaptive chosen each step from 1 … that, window.py; K = 1 is a
-plain decode step), V vocabulary, F = features × hidden.
+Shapes: bs requests, B the draft's block size, K ≤ B the verify window (--speculative-num-draft-tokens;
+adaptive by default or with --speculative-adaptive: chosen each step from 1 … K, or 1 … B, window.py; K = 1
+is a plain decode step), V vocabulary, F = features × hidden.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import os
-import time
 
 import torch
 
@@ -41,23 +37,18 @@ from sglang_dflash.draft_input import make_draft_input
 from sglang_dflash.models.paged import PagedDraft
 from sglang_dflash.models.sharded import ShardedDraftModel
 from sglang_dflash.ops import kernels
+from sglang_dflash.settings import settings
+from sglang_dflash.sglang_adapter import SGLangSpecWorker
+from sglang_dflash.step_stats import NO_STATS, StepStats
 from sglang_dflash.window import AdaptiveWindow
 
 logger = logging.getLogger(__name__)
 
 
-def _base():
-    from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
-
-    return BaseSpecWorker
-
-
-class DFlashWorker(_base()):
+class DFlashWorker(SGLangSpecWorker):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
-        super().__init__()
+        super().__init__(target_worker)
         self.server_args = server_args
-        self._target_worker = target_worker
-        self._draft_worker = None
         self.model_runner = target_worker.model_runner
         self.device = self.model_runner.device
         self.dtype = self.model_runner.dtype
@@ -70,7 +61,11 @@ class DFlashWorker(_base()):
         self.config = load_checked(server_args.speculative_draft_model_path, server_args.model_path,
                                    server_args.speculative_num_draft_tokens, server_args.trust_remote_code)
         self.block_size = self.config.block_size  # B: the draft's block (what it was trained to fill)
-        self.window = server_args.speculative_num_draft_tokens or self.block_size  # K ≤ B tokens verified per step
+        # what plugin.handle_dflash_args decided (SGLang keeps resolved values beside the command line's)
+        from sglang.srt.arg_groups.overrides import resolved_view
+
+        self.spec_args = resolved_view(server_args)
+        self.window = self.spec_args.speculative_num_draft_tokens or self.block_size  # K ≤ B tokens verified per step
         self.draft_model = ShardedDraftModel.from_pretrained(server_args.speculative_draft_model_path, dtype=self.dtype,
                                                              device=self.device)
         self.draft: PagedDraft | None = None  # allocated once the target's KV pool exists
@@ -81,64 +76,30 @@ class DFlashWorker(_base()):
         self.head = DraftHead.of_target(target.lm_head, self.vocab_size, self.tp_size)
         self.layer_ids = self.config.target_layer_ids
         self.page_size = server_args.page_size or 1
-        # SGLANG_DFLASH_STATS_FILE: keep a histogram of tokens committed per verify step and the wall time of
-        # each step phase there (for benchmarks)
-        self.stats_file = os.environ.get("SGLANG_DFLASH_STATS_FILE")
-        self.accept_hist = torch.zeros(self.window + 1, dtype=torch.long)
-        self.window_hist = [0] * (self.window + 1)  # decode batches by the window they verified
-        self.decode_batches, self.phase_seconds = 0, {}  # and the wall time of each step phase
+        self.settings = settings()
+        # step statistics for benchmarks (step_stats.py), when the stats file setting is given
+        self.stats = StepStats(self.settings.stats_file, self.window, self.device, self.settings.profile) \
+            if self.settings.stats_file else NO_STATS
         self.warned_custom = False
         self.adaptive = self.window_policy()
-        self.pending_step = None  # (batch size, window, start) of a decode step not yet timed
         attn = self.draft_model.layers[0].self_attn
         step_ops = "CUDA kernels" if kernels.extension_available() and self.device != "cpu" else "torch twins"
         logger.info("sglang-dflash %s DFLASH worker: draft %s (%d layers, block %d, target layers %s), verify "
-                    "window %s, %s %s, step ops: %s, tp %d (draft heads per rank: %d query, %d kv)", __version__,
+                    "window %s, %s %s, step ops: %s, tp %d (draft heads per rank: %d query, %d kv); %s", __version__,
                     server_args.speculative_draft_model_path, len(self.draft_model.layers), self.block_size,
                     self.layer_ids, f"adaptive 1-{self.window}" if self.adaptive else self.window, self.device,
-                    self.dtype, step_ops, self.tp_size, attn.h, attn.kvh)
+                    self.dtype, step_ops, self.tp_size, attn.h, attn.kvh, self.settings.describe())
 
-    # ---- what the scheduler calls at start-up ---------------------------
+    # ---- what the scheduler calls at start-up (the rest: sglang_adapter.py) ----
     def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
         # The draft's context store has one row per target KV slot (the slot ids are shared).
         num_slots = self.model_runner.token_to_kv_pool.get_key_buffer(0).shape[0]
         self.draft = PagedDraft(self.draft_model, num_slots, self.device, self.dtype)
 
-    def init_attention_backends(self):
-        pass  # the draft attends through sglang_dflash.ops.attention, not an SGLang backend
-
-    def init_cuda_graphs(self):
-        pass
-
-    def _draft_model_runners(self):
-        return ()
-
-    def weight_update_runners(self):
-        return []
-
-    def clear_cache_pool(self):
-        pass  # slots are reused through the target's allocator; stale draft K/V is overwritten on reuse
-
-    def __getattr__(self, name):
-        # Anything else the scheduler asks of a model worker is the target's.
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._target_worker, name)
-
-    # ---- every step -----------------------------------------------------
-    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None, **kw):
-        if self.pending_step is not None:  # the last decode step's wall time, the scheduler's share included
-            bs, k, start = self.pending_step
-            self.pending_step = None
-            if batch.forward_mode.is_decode():  # (a prefill in between would be counted in it)
-                self.adaptive.observe_step(bs, k, time.perf_counter() - start)
-        if batch.forward_mode.is_extend():
-            return self.prefill(batch)
-        if batch.forward_mode.is_idle():
-            raise NotImplementedError("idle batches (data parallel attention) are not supported")
-        if grammar_barrier is not None:  # the overlap scheduler's pending grammar advance
-            grammar_barrier()
-        return self.decode_step(batch)
+    # ---- every forward ----------------------------------------------------
+    def before_forward(self, batch) -> None:
+        if self.adaptive is not None:  # the last decode step's wall time ends here (window.py's step clock)
+            self.adaptive.end_step(batch.forward_mode.is_decode())
 
     def prefill(self, batch):
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
@@ -162,13 +123,13 @@ class DFlashWorker(_base()):
         from sglang.srt.managers.utils import GenerationBatchResult
 
         K = self.choose_window(batch)  # rows verified per request: the bonus token and K-1 drafts
-        prefix_lens = batch.seq_lens.long()  # committed tokens; the bonus token is not in the KV yet
+        prefix_lens = batch.seq_lens.long()  # [bs] committed tokens; the bonus token is not in the KV yet
         req_to_token = batch.req_to_token_pool.req_to_token
         sampling = None if batch.sampling_info.is_all_greedy else batch.sampling_info
-        with self.phase("build_block"):
+        with self.stats.phase("build_block"):  # block_ids, positions, slots [bs, K]
             block_ids, positions, slots = self.build_block(batch.spec_info.bonus_tokens, prefix_lens,
                                                            batch.req_pool_indices, req_to_token, K)
-        with self.phase("draft"):
+        with self.stats.phase("draft"):  # draft_tokens [bs, K-1]; q [bs, K-1, V] when sampling
             if K == 1:  # a plain decode step: nothing to draft
                 draft_tokens, q = block_ids[:, 1:], None
             else:
@@ -177,19 +138,18 @@ class DFlashWorker(_base()):
                 if sampling is not None:
                     self.tp_broadcast(draft_tokens)
                 block_ids[:, 1:] = draft_tokens
-        with self.phase("verify"):
+        with self.stats.phase("verify"):  # logits [bs, K, V], features [bs, K, F]
             logits_output, logits, features, graphed = self.verify(batch, block_ids, positions, slots)
-        with self.phase("accept"):
+        with self.stats.phase("accept"):  # accept_len [bs] in 0 … K-1, next_token [bs]
             accept_len, next_token = self.accept(draft_tokens, q, logits, positions, sampling)
             if sampling is not None:
                 self.tp_broadcast(accept_len, next_token)
         commit_lens = accept_len + 1  # the old bonus + accepted drafts enter the KV; next_token is the new bonus
-        with self.phase("commit"):
+        with self.stats.phase("commit"):
             self.commit(features, positions, slots, commit_lens)
         if self.adaptive is not None:
             self.adaptive.observe_accepts(accept_len.tolist(), K)
-        if self.stats_file:
-            self.record_stats(commit_lens, K)
+        self.stats.record(commit_lens, K)
 
         # [bs, K]: row i emits out_tokens[i, :commit_lens[i]] (its accepted drafts, then next_token)
         out_tokens = torch.cat([draft_tokens, next_token[:, None]], dim=1)
@@ -206,16 +166,17 @@ class DFlashWorker(_base()):
             speculative_num_draft_tokens=K, can_run_cuda_graph=graphed)
 
     def window_policy(self) -> AdaptiveWindow | None:
-        """SGLANG_DFLASH_WINDOW: 'fixed' (default: every step verifies the window) or 'adaptive' (window.py)."""
-        mode = os.environ.get("SGLANG_DFLASH_WINDOW", "fixed")
-        if mode not in ("fixed", "adaptive"):
-            raise ValueError(f"SGLANG_DFLASH_WINDOW={mode!r}: expected 'fixed' or 'adaptive'")
-        return AdaptiveWindow(self.window) if mode == "adaptive" and self.window >= 2 else None
+        """Adaptive (window.py) when the server resolved speculative_adaptive (plugin.handle_dflash_args: no
+        --speculative-num-draft-tokens given, or --speculative-adaptive), else every step verifies the window."""
+        if not (self.spec_args.speculative_adaptive and self.window >= 2):
+            return None
+        graphs = str(self.device).startswith("cuda") and not self.spec_args.disable_cuda_graph
+        return AdaptiveWindow(self.window, anchors_only=graphs)  # with CUDA graphs: measured anchors only (window.py)
 
     def choose_window(self, batch) -> int:
-        """The step's verify window: --speculative-num-draft-tokens, or with SGLANG_DFLASH_WINDOW=adaptive
-        the one expected to commit the most tokens per second at this batch size (window.py). Seeded
-        requests keep the fixed window: their tokens then depend on the seed alone, not on the load."""
+        """The step's verify window: K, or when adaptive the one expected to commit the most tokens per second
+        at this batch size (window.py). Seeded requests keep the fixed window K: their tokens then depend on
+        the seed alone, not on the load."""
         if self.adaptive is None or batch.sampling_info.sampling_seed is not None:
             return self.window
         bs = batch.batch_size()
@@ -224,7 +185,7 @@ class DFlashWorker(_base()):
             chosen = torch.tensor([k], device=self.device)
             self.tp_broadcast(chosen)
             k = int(chosen)
-        self.pending_step = (bs, k, time.perf_counter())
+        self.adaptive.start_step(bs, k)
         return k
 
     @staticmethod
@@ -240,30 +201,6 @@ class DFlashWorker(_base()):
 
         for t in tensors:
             get_tp_group().broadcast(t, src=0)
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        """Wall time of one phase of the step, kept only when SGLANG_DFLASH_STATS_FILE is set (then
-        with a device sync on both sides, so that it times the work, not its launch)."""
-        if not self.stats_file:
-            yield
-            return
-        sync = torch.cuda.synchronize if self.device != "cpu" and torch.cuda.is_available() else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        yield
-        sync()
-        self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + time.perf_counter() - t0
-
-    def record_stats(self, commit_lens, K: int):
-        self.accept_hist += torch.bincount(commit_lens.cpu(), minlength=self.window + 1)
-        self.window_hist[K] += 1
-        self.decode_batches += 1
-        tmp = f"{self.stats_file}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"accept_length_histogram": self.accept_hist.tolist(), "decode_batches": self.decode_batches,
-                       "window_histogram": self.window_hist, "phase_seconds": self.phase_seconds}, f)
-        os.replace(tmp, self.stats_file)
 
     # ---- the five steps -------------------------------------------------
     def build_block(self, bonus_tokens, prefix_lens, req_pool_indices, req_to_token, K: int):
@@ -312,10 +249,12 @@ class DFlashWorker(_base()):
         verify_input = DFlashVerifyInput(draft_token=block_ids.reshape(-1), positions=positions.reshape(-1),
                                          draft_token_num=K, custom_mask=None,
                                          capture_hidden_mode=CaptureHiddenMode.FULL)
+        # The one place the step writes to the scheduler's batch, as SGLang's own verify does: out_cache_loc
+        # is where the verify forward writes the block's K/V (the slots the scheduler reserved). And the
+        # attention backends plan a verify batch from the KV length with the block (seq_lens_cpu + K on the
+        # host: FlashInfer's CUDA-graph plan reads it; the device side adds K itself), so the host lengths
+        # carry + K while the forward is prepared and are put back at once; the forward must not plan again.
         batch.out_cache_loc = slots.reshape(-1)
-        # The attention backends plan a verify batch from the KV length with the block (seq_lens_cpu + K on
-        # the host: FlashInfer's CUDA-graph plan reads it; the device side adds K itself), then the forward
-        # must not plan again.
         committed_cpu, committed_sum = batch.seq_lens_cpu, batch.seq_lens_sum
         if committed_cpu is not None:
             batch.seq_lens_cpu = committed_cpu + K

@@ -50,12 +50,24 @@ def test_prompt_formats_and_local_files(tmp_path):
         bench.load_prompts("nope", 1, str(f))
 
 
-def test_shipped_subsets_load_offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_shipped_subsets_load_without_reaching_for_the_network(monkeypatch):
+    """bench reads the shipped subsets without trying the network (the same prompts on any machine): every
+    way out of this process fails here, and the hub is read only when asked for (--from-hub)."""
+    import socket
+
+    def no_network(*args, **kwargs):
+        raise AssertionError(f"bench tried the network: {args[:2]}")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     for name in ("gsm8k", "humaneval", "mt-bench"):
         rows = bench.load_prompts(name, 24)
         assert len(rows) == 24 and all(r["prompt"] for r in rows)
-    with pytest.raises(FileNotFoundError, match="math500"):
+        assert rows == [{"id": r["id"], "prompt": bench.DATASETS[name][3].format(r["prompt"])}
+                        for r in bench.read_prompts(bench.REPO_DATA / f"{name}.jsonl")[:24]]
+    with pytest.raises(FileNotFoundError, match="math500.*--from-hub"):
         bench.load_prompts("math500", 4)
 
 
@@ -83,3 +95,21 @@ def test_stats_file_figures_and_step_profile():
     run = {"concurrency": 4, **fig}
     table = bench.markdown({"side_by_side": {}, "dflash": {"gsm8k": [run]}})
     assert "| gsm8k | 4 | 4 | 10.0 | 100.0 | 300.0 | 10.0 | 20.0 | 310.0 |" in table
+    # a server that counts without profiling (the default): the counts, no step profile
+    plain = bench.stats_figures({k: v for k, v in before.items() if k != "phase_seconds"},
+                                {k: v for k, v in after.items() if k != "phase_seconds"}, wall=3.0)
+    assert plain["decode_batches"] == 4 and plain["accept_length_histogram"] == [0, 2, 3, 2] and "step_ms" not in plain
+
+
+def test_every_bench_setting_is_a_flag_with_the_config_default():
+    """`sglang-dflash bench` fills a BenchConfig from its flags: one flag per field, the same defaults."""
+    import argparse
+    import dataclasses
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args([])
+    assert vars(args).keys() == {f.name for f in dataclasses.fields(bench.BenchConfig)}
+    assert bench.BenchConfig.from_args(args) == bench.BenchConfig()
+    cfg = bench.BenchConfig.from_args(p.parse_args(["--concurrency", "2,8", "--datasets", "sharegpt", "--from-hub"]))
+    assert cfg.concurrency == [2, 8] and cfg.datasets == ["sharegpt"] and cfg.from_hub

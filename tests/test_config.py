@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -61,6 +62,57 @@ def test_config_errors_name_the_problem():
     _error("not a multiple of num_key_value_heads", num_key_value_heads=5)
     with pytest.raises(DraftConfigError, match="no 'dflash_config'"):
         DraftConfig.from_dict({k: v for k, v in PUBLISHED.items() if k != "dflash_config"})
+
+
+# Configs of DFlash variants this worker does not implement: each must be refused with its keys named.
+VARIANTS = {
+    "DFlash2 selector": ({"selector_rank": 64, "selector_top_k": 8}, {},
+                         "dflash_config.selector_rank=64, dflash_config.selector_top_k=8"),
+    "sliding-window layers": ({}, {"layer_types": ["sliding_attention"] * 2 + ["full_attention"] * 3,
+                                   "sliding_window": 2048},
+                              'layer_types=["sliding_attention", "sliding_attention", '),
+    "sliding window switched on": ({}, {"use_sliding_window": True, "sliding_window": 4096},
+                                   "use_sliding_window=true, sliding_window=4096"),
+    "grouped convolution": ({"conv_kernel_size": 4, "conv_group_size": 2}, {}, "dflash_config.conv_kernel_size=4"),
+    "Domino projector": ({"projector_type": "domino", "gru_hidden_dim": 512}, {},
+                         'dflash_config.projector_type="domino", dflash_config.gru_hidden_dim=512'),
+    "own embedding, quantised": ({}, {"has_embed_tokens": True, "quantization_config": {"quant_algo": "W4A16_NVFP4"}},
+                                 "has_embed_tokens=true, quantization_config="),
+    "another architecture": ({}, {"architectures": ["Qwen3DSparkModel"]}, 'architectures=["Qwen3DSparkModel"]'),
+    "an unknown key": ({}, {"some_new_switch": 1}, "some_new_switch=1"),
+}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_a_config_with_keys_this_worker_does_not_implement_is_refused_by_name(name):
+    dflash_keys, top_keys, named = VARIANTS[name]
+    d = json.loads(json.dumps(PUBLISHED))
+    d["dflash_config"].update(dflash_keys)
+    d.update(top_keys)
+    with pytest.raises(DraftConfigError, match="keys this worker does not implement") as e:
+        DraftConfig.from_dict(d)
+    assert named in str(e.value) and "SGLANG_DFLASH_IMPL=builtin" in str(e.value), str(e.value)
+
+
+def test_inert_keys_load_and_are_written_back(tmp_path):
+    """Standard Hugging Face fields, a sliding_window no layer uses, DFlash2's keys at their 'off' values and
+    block_size / num_target_layers kept in dflash_config (a later layout) all load as the plain draft."""
+    d = json.loads(json.dumps(PUBLISHED))
+    inert = {"torch_dtype": "bfloat16", "transformers_version": "4.57.1", "use_cache": True, "tie_word_embeddings": False,
+             "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 5,
+             "layer_types": ["full_attention"] * 5}
+    d.update(inert)
+    d["dflash_config"].update(selector_rank=0, selector_top_k=0, output_multiplier=1.0, attention_sink_bias=False)
+    d["dflash_config"]["block_size"] = d.pop("block_size")
+    cfg = DraftConfig.from_dict(d)
+    plain = DraftConfig.from_dict(PUBLISHED)
+    assert dataclasses.replace(cfg, extra=plain.extra) == plain  # the same draft, inert fields aside
+    cfg.save(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert {k: written[k] for k in inert} == inert and written["dflash_config"]["selector_rank"] == 0
+    d["dflash_config"]["num_target_layers"] = 40
+    with pytest.raises(DraftConfigError, match="num_target_layers is 36 and dflash_config.num_target_layers is 40"):
+        DraftConfig.from_dict(d)
 
 
 def test_target_mismatch_errors_name_the_problem():

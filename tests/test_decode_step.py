@@ -94,6 +94,7 @@ def make_worker(monkeypatch):
     from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 
     from sglang_dflash.draft_head import DraftHead
+    from sglang_dflash.step_stats import NO_STATS
     from sglang_dflash.worker import DFlashWorker
 
     monkeypatch.setattr(DFlashVerifyInput, "prepare_for_verify", prepare_for_verify)
@@ -106,7 +107,7 @@ def make_worker(monkeypatch):
             _target_worker=StubTarget(), server_args=None, device="cpu", dtype=torch.float32, block_size=block_size,
             window=window, config=SimpleNamespace(mask_token_id=MASK), page_size=page_size, embed=embed,
             head=DraftHead(torch.eye(V) * SCALE, V), draft=StubDraft(plan, block_size), tp_size=1, adaptive=None,
-            stats_file=None, warned_custom=False, pending_step=None)
+            stats=NO_STATS, warned_custom=False)
         return w
 
     return make
@@ -224,3 +225,21 @@ def test_sampled_and_greedy_requests_in_one_batch(make_worker):
     worker = make_worker(8, 8, 1, plans[0])
     batch = make_batch(PREFIXES, BONUS, POOL, [True, False, True, False], 1)
     run_steps(worker, batch, plans)
+
+
+def test_no_instrumentation_runs_when_statistics_are_off(make_worker, monkeypatch):
+    """Statistics off (the default): a decode step opens no file, reads no clock and syncs no device for them."""
+    import builtins
+
+    import sglang_dflash.step_stats as step_stats
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("instrumentation ran with statistics off")
+
+    monkeypatch.setattr(step_stats.time, "perf_counter", forbidden)
+    monkeypatch.setattr(step_stats.torch.cuda, "synchronize", forbidden)
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda *a, **k: forbidden() if "stats" in str(a[0]) else real_open(*a, **k))
+    worker = make_worker(8, 8, 1, {0: 2, 1: 7, 2: 0, 3: 4})
+    batch = make_batch(PREFIXES, BONUS, POOL, [False] * 4, 1)
+    run_steps(worker, batch, [{0: 2, 1: 7, 2: 0, 3: 4}] * 2)

@@ -96,38 +96,38 @@ def test_gather_context_features(seed, dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_accept_greedy(seed, device):
-    gen, bs, B, _, _, seq_lens, _ = random_step(seed, 1)
+    gen, bs, B, _, _, _, _ = random_step(seed, 1)
     target = torch.randint(0, 5, (bs, B), generator=gen)
     draft = target[:, :-1].clone()
     for r in range(bs):  # a first mismatch at a chosen row (B-1: none), so every accept length occurs
         miss = int(torch.randint(0, B, (1,), generator=gen)) if r else B - 1
         if miss < B - 1:
             draft[r, miss] = target[r, miss] + 1
-    accept_len, next_token, new_seq_lens = kernels.accept_greedy(*on(device, draft, target, seq_lens))
+    accept_len, next_token = kernels.accept_greedy(*on(device, draft, target))
     for r in range(bs):
         n = 0
         while n < B - 1 and draft[r, n] == target[r, n]:
             n += 1
-        assert accept_len[r] == n and next_token[r] == target[r, n] and new_seq_lens[r] == seq_lens[r] + n + 1
+        assert accept_len[r] == n and next_token[r] == target[r, n]
     assert accept_len[0] == B - 1
-    twin = kernels.accept_greedy_torch(draft, target, seq_lens)
-    assert all(same(a, b) for a, b in zip((accept_len, next_token, new_seq_lens), twin))
+    twin = kernels.accept_greedy_torch(draft, target)
+    assert all(same(a, b) for a, b in zip((accept_len, next_token), twin))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", SEEDS)
-def test_block_attention_mask(seed, device):
+def test_training_block_mask(seed, device):
     gen = torch.Generator().manual_seed(seed)
     T, B = int(torch.randint(4, 40, (1,), generator=gen)), int(torch.randint(1, 9, (1,), generator=gen))
     N = int(torch.randint(0, 6, (1,), generator=gen))
     anchors = torch.randint(0, T, (N,), generator=gen)
-    mask = kernels.block_attention_mask(anchors.to(device), T, B)
+    mask = kernels.training_block_mask(anchors.to(device), T, B)
     assert mask.shape == (N * B, T + N * B) and mask.dtype == torch.bool
     for q in range(N * B):
         for c in range(T + N * B):
             want = c < anchors[q // B] if c < T else (c - T) // B == q // B
             assert bool(mask[q, c]) == bool(want), (q, c)
-    assert same(mask, kernels.block_attention_mask_torch(anchors, T, B))
+    assert same(mask, kernels.training_block_mask_torch(anchors, T, B))
 
 
 def test_extension_is_built_where_nvcc_is():

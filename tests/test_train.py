@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from sglang_dflash.train.objective import (IGNORE, accepted_prefix, block_attention_mask, block_inputs,
+from sglang_dflash.train.objective import (IGNORE, block_inputs, teacher_forced_accepts, training_block_mask,
                                            position_weights, sample_anchors)
 
 
@@ -23,7 +23,7 @@ def test_mask_equals_brute_force(seed):
     B = int(torch.randint(2, 9, (1,), generator=gen))
     anchors = sample_anchors(P, T, 7, gen)
     assert anchors.numel() == min(7, T - 1 - P) and (anchors >= P).all() and (anchors <= T - 2).all()
-    mask = block_attention_mask(anchors, T, B)
+    mask = training_block_mask(anchors, T, B)
     N = anchors.numel()
     assert mask.shape == (N * B, T + N * B)
     for q in range(N * B):
@@ -55,10 +55,10 @@ def test_position_weights():
 
 
 @pytest.mark.unit
-def test_accepted_prefix():
+def test_teacher_forced_accepts():
     labels = torch.tensor([[IGNORE, 1, 2, 3, 4], [IGNORE, 1, 2, 3, 4], [IGNORE, 1, 2, IGNORE, IGNORE]])
     pred = torch.tensor([[9, 1, 2, 0, 4], [9, 0, 2, 3, 4], [9, 1, 2, 3, 4]])
-    assert accepted_prefix(pred, labels).tolist() == [2, 0, 2]
+    assert teacher_forced_accepts(pred, labels).tolist() == [2, 0, 2]
 
 
 @pytest.mark.train
@@ -361,9 +361,11 @@ def test_replayed_acceptance_equals_real_decoding(tiny_run, tiny_qwen3_path, tmp
 
 
 def evaluate_walk(draft, frozen, seq, length):
-    from sglang_dflash.train.evaluate import replay_walk
+    """The walk over one sequence alone."""
+    from sglang_dflash.train.evaluate import replay_walks
 
-    return replay_walk(draft, lambda ids: frozen.embed[ids], frozen.head, seq.tokens, seq.context, seq.prompt_len, length)
+    return replay_walks(draft, lambda ids: frozen.embed[ids], frozen.head, [seq.tokens], [seq.context], [seq.prompt_len],
+                        [length])[0]
 
 
 @pytest.mark.train
@@ -531,3 +533,22 @@ def test_autocast_setting():
     assert use_autocast(FitConfig(), "cpu") == bf16_is_native("cpu") == ("avx512_bf16" in flags or "amx_bf16" in flags)
     with pytest.raises(ValueError, match="autocast must be on, off or auto"):
         use_autocast(FitConfig(autocast="sometimes"), "cpu")
+
+
+@pytest.mark.unit
+def test_heldout_split_says_when_it_is_off(caplog):
+    """The last `heldout` sequences are kept out when there are more than twice as many; otherwise none is, and
+    the log says so (the export is then the last step's, not the best held-out step's)."""
+    import logging
+
+    from sglang_dflash.train.trainer import split_heldout
+
+    seqs = list(range(10))
+    assert split_heldout(seqs, 4) == (list(range(6)), [6, 7, 8, 9])
+    with caplog.at_level(logging.WARNING, logger="sglang_dflash.train.trainer"):
+        assert split_heldout(seqs, 5) == (seqs, [])
+    assert "held-out evaluation is off: 10 sequences" in caplog.text
+    caplog.clear()
+    assert split_heldout(seqs, 0) == (seqs, []) and not caplog.text  # asked for none: nothing to say
+    with pytest.raises(ValueError, match="no training sequences"):
+        split_heldout([], 0)

@@ -103,3 +103,30 @@ def test_accept_rates_start_at_the_prior_and_follow_observations():
     before = list(policy.accept_rate)
     policy.observe_accepts([0, 0], 1)  # a plain decode step observes no row
     assert policy.accept_rate == before
+
+
+def test_with_cuda_graphs_it_chooses_among_measured_anchors_only():
+    """On CUDA the verify is graphed for K rows only; a window between two anchors runs eagerly. Interpolating
+    between an eager 8 and a graphed 16 prices an eager 12 below what it costs, and 12, no anchor, is never
+    measured to correct it. With anchors_only every choice is a measured anchor: here the graphed 16, which
+    does commit more per second than an eager 12 would."""
+    def step_seconds(k):  # eager: 25 ms + 0.625 ms a row; k = 16 graphed: 32 ms (eager it would be 35)
+        return 0.032 if k == 16 else 0.025 + 0.000625 * k
+
+    def tokens_per_second(k):  # every request accepts up to 11 drafts
+        return min(k, 12) / step_seconds(k)
+
+    assert tokens_per_second(16) > tokens_per_second(12) > tokens_per_second(8)  # the truth: 16 is best
+    for anchors_only in (True, False):
+        policy = AdaptiveWindow(16, anchors_only=anchors_only)
+        chosen = []
+        for _ in range(300):
+            k = policy.choose(4)
+            chosen.append(k)
+            policy.observe_accepts([min(11, k - 1)] * 4, k)
+            policy.observe_step(4, k, step_seconds(k))
+        settled = max(set(chosen[150:]), key=chosen[150:].count)  # the anchors re-measured every 64 steps aside
+        if anchors_only:
+            assert set(chosen) <= set(policy.anchors) and settled == 16
+        else:  # what anchors_only prevents: an interpolated, eager window taken for cheaper than it is
+            assert 8 < settled < 16

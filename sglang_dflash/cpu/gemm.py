@@ -28,12 +28,15 @@ speculation, prefill and every other forward keep SGLang's own path.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import torch
 import torch.nn.functional as F
 
-_verify_depth = 0
 FAST_MAX_ROWS = 64
+# Whether the current forward is a DFLASH verify forward: set by the worker around it (verify_scope), read by
+# the hooks below. A context variable, not a module global: it belongs to the thread (and task) that set it.
+_in_verify = contextvars.ContextVar("sglang_dflash_in_verify", default=False)
 
 
 def takes_fast_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -55,12 +58,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 @contextlib.contextmanager
 def verify_scope():
     """The target's linear layers and lm_head use `linear` while this is open (on a CPU, in float32)."""
-    global _verify_depth
-    _verify_depth += 1
+    token = _in_verify.set(True)
     try:
         yield
     finally:
-        _verify_depth -= 1
+        _in_verify.reset(token)
 
 
 def _plain_layer(layer) -> bool:
@@ -69,7 +71,7 @@ def _plain_layer(layer) -> bool:
 
 def linear_method_apply(original, self, layer, x, bias=None):
     """Around UnquantizedLinearMethod.apply."""
-    if _verify_depth and _plain_layer(layer) and takes_fast_path(x, layer.weight):
+    if _in_verify.get() and _plain_layer(layer) and takes_fast_path(x, layer.weight):
         return linear(x, layer.weight, bias)
     return original(self, layer, x, bias)
 
@@ -82,6 +84,6 @@ def compute_lm_head(original, self, hidden_states, lm_head, embedding_bias=None,
     plain = (hasattr(lm_head, "weight") and embedding_bias is None and _plain_layer(lm_head)
              and getattr(self, "rl_on_policy_target", None) is None
              and not should_apply_lm_head_quant_method(lm_head, getattr(lm_head, "quant_method", None)))
-    if _verify_depth and plain and takes_fast_path(hidden_states, lm_head.weight):
+    if _in_verify.get() and plain and takes_fast_path(hidden_states, lm_head.weight):
         return linear(hidden_states, lm_head.weight)
     return original(self, hidden_states, lm_head, embedding_bias, **kw)

@@ -23,7 +23,9 @@ STUB_SOURCE = "libcuda_stub.c"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SGLANG_DFLASH_HOME", Path.home() / ".cache" / "sglang-dflash"))
+    from sglang_dflash.settings import settings
+
+    return settings().home
 
 
 def gpu_present() -> bool:

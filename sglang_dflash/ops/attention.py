@@ -1,9 +1,10 @@
 """Attention of a block of queries over a paged KV cache, in plain torch.
 
 Used for the target's TARGET_VERIFY forward on SGLang's torch_native backend
-(causal) and for the draft's block forward (non-causal). Only the block's
-queries are computed: each request attends over its prefix plus its own
-block, never over padding.
+(causal: plugin.py's hook). Only the block's queries are computed: each request
+attends over its prefix plus its own block, never over padding. (The draft's
+non-causal block attention over its own paged context is ops/draft_attention.py,
+which shares gather_kv; `causal=False` here is its plain reference in tests.)
 
 Shapes: bs requests, n block tokens per request, h / kvh query / key-value
 heads, d head dim, P pool slots, L = max over requests of (prefix + n).
@@ -25,21 +26,31 @@ def gather_kv(buf: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: t
     return buf[slots].transpose(1, 2), valid  # [bs, L, kvh, d] -> [bs, kvh, L, d]
 
 
-def block_attention_mask(prefix_lens: torch.Tensor, n: int, max_len: int, causal: bool) -> torch.Tensor:
-    """[bs, 1, n, L] bool: query i of a request (at position prefix + i) sees key j when
-    j < prefix + n (its own rows) and, if causal, j <= prefix + i."""
+def paged_block_mask(prefix_lens: torch.Tensor, n: int, max_len: int, causal: bool,
+                     block_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The mask of a block over a paged KV cache (verify: causal; draft: not) -> [bs, 1, n, L] bool: query i of
+    a request (at position prefix + i) sees key j when j < prefix + n (its own rows) and, if causal,
+    j <= prefix + i. With block_mask [bs, n, n] (a tree's verify: tree.ancestor_mask) query i sees the
+    whole prefix and block key m where block_mask[i, m], in place of the causal rule."""
     cols = torch.arange(max_len, device=prefix_lens.device)
     rows = torch.arange(n, device=prefix_lens.device)
+    if block_mask is not None:
+        prefix = prefix_lens.long()[:, None, None]  # [bs, 1, 1]
+        m = cols[None, None, :] - prefix  # [bs, 1, L]: the block row a key column holds
+        inside = (m >= 0) & (m < n)
+        sees = block_mask.gather(2, m.clamp(0, n - 1).expand(-1, n, -1)) & inside  # [bs, n, L]
+        return ((cols[None, None, :] < prefix) | sees)[:, None]
     limit = prefix_lens[:, None] + (rows[None, :] + 1 if causal else n)  # [bs, n], exclusive
     return (cols[None, None, :] < limit[:, :, None])[:, None]
 
 
 def paged_block_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                           req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, n: int, scaling: float,
-                          causal: bool) -> torch.Tensor:
+                          causal: bool, block_mask: torch.Tensor | None = None) -> torch.Tensor:
     """q [bs*n, h, d] of block tokens whose K/V are already in the pool -> out [bs*n, h, d].
 
-    The block of request r sits at req_to_token[r, prefix : prefix + n].
+    The block of request r sits at req_to_token[r, prefix : prefix + n]; block_mask [bs, n, n]: which block
+    rows each row sees (a tree), in place of the causal rule (paged_block_mask).
     """
     bs = prefix_lens.shape[0]
     h, d = q.shape[1], q.shape[2]
@@ -47,7 +58,7 @@ def paged_block_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
     max_len = int(prefix_lens.max()) + n
     k, _ = gather_kv(k_buf, req_to_token, req_pool_indices, prefix_lens + n, max_len)
     v, _ = gather_kv(v_buf, req_to_token, req_pool_indices, prefix_lens + n, max_len)
-    mask = block_attention_mask(prefix_lens, n, max_len, causal)
+    mask = paged_block_mask(prefix_lens, n, max_len, causal, block_mask)
     qb = q.view(bs, n, h, d).transpose(1, 2)  # [bs, h, n, d]
     out = F.scaled_dot_product_attention(qb, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling,
                                          enable_gqa=h != k.shape[1])

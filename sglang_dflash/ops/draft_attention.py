@@ -17,7 +17,8 @@ Two implementations compute the same thing:
                            With several splits (long contexts, few programs) each writes its
                            partial output and log-sum-exp and `merge_splits` combines them.
 
-`draft_attention` takes the Triton kernel for CUDA tensors when Triton imports, the twin otherwise.
+`draft_attention` takes the Triton kernel for CUDA tensors when Triton imports, the twin otherwise (on
+CUDA without Triton it says so once in the log).
 tests/test_draft_attention.py checks the kernel against the twin through Triton's interpreter on
 the CPU; benchmarks/kernels.py checks and times it on a GPU.
 
@@ -26,6 +27,9 @@ P store slots, S context splits.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -205,11 +209,21 @@ def triton_available() -> bool:
     return triton is not None
 
 
+@functools.cache
+def _say_twin_on_cuda() -> None:
+    logging.getLogger(__name__).warning(
+        "Triton does not import in this environment: the draft's attention on CUDA runs its plain-torch twin "
+        "(correct, slower: it gathers each request's context into a padded tensor); install triton for the kernel")
+
+
 def draft_attention(q, k_blk, v_blk, k_store, v_store, req_to_token, req_pool_indices, prefix_lens, scale: float,
                     max_prefix: int | None = None):
-    """The Triton kernel for CUDA tensors (when Triton imports), the torch twin otherwise."""
+    """The Triton kernel for CUDA tensors (when Triton imports; if it does not, the twin, said once in the log),
+    the torch twin otherwise."""
     if q.is_cuda and triton is not None:
         return draft_attention_triton(q, k_blk, v_blk, k_store, v_store, req_to_token, req_pool_indices,
                                       prefix_lens, scale, max_prefix)
+    if q.is_cuda:
+        _say_twin_on_cuda()
     return draft_attention_torch(q, k_blk, v_blk, k_store, v_store, req_to_token, req_pool_indices, prefix_lens,
                                  scale, max_prefix)

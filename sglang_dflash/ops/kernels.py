@@ -7,12 +7,15 @@ brute-force definitions on random inputs and, on a GPU, the kernels against the 
 Each public function takes the kernel when its inputs are on CUDA and the extension is
 built, the twin otherwise.
 
-Shapes: bs requests, B block size, F feature width, N training blocks, T sequence length.
+Shapes: bs requests, B the draft's block, K ≤ B the rows verified, F feature width, N training blocks,
+T sequence length.
 """
 
 from __future__ import annotations
 
 import torch
+
+from sglang_dflash.block import accepted_prefix, make_block
 
 try:
     from sglang_dflash import _C
@@ -31,44 +34,41 @@ def _kernel(*tensors: torch.Tensor) -> bool:
 
 
 # ---- build_block ------------------------------------------------------------------------------
-def build_block_torch(bonus, seq_lens, req_pool_indices, req_to_token, mask_id: int, block_size: int,
-                      page_size: int = 1):
+def build_block_torch(bonus, seq_lens, req_pool_indices, req_to_token, mask_id: int, K: int, page_size: int = 1):
     """bonus, seq_lens, req_pool_indices [bs] int64; req_to_token [R, L] (int32 or int64)
-    -> block_ids [bs, B] ([bonus, MASK, …]), positions [bs, B] (seq_len … seq_len + B - 1),
-    slots [bs, B] (the KV slots the scheduler reserved for those positions), all int64.
+    -> block_ids [bs, K] ([bonus, MASK, …], block.make_block), positions [bs, K] (seq_len … seq_len + K - 1),
+    slots [bs, K] (the KV slots the scheduler reserved for those positions), all int64: the K rows one verify
+    step checks.
 
     With page_size > 1 a page holds page_size contiguous slots, so a position's slot is the
     first slot of its page plus its offset in the page (what SGLang's paged allocators keep).
     """
-    bs, B = bonus.numel(), block_size
-    block_ids = torch.full((bs, B), mask_id, dtype=torch.long, device=bonus.device)
-    block_ids[:, 0] = bonus
-    positions = seq_lens[:, None] + torch.arange(B, device=bonus.device)[None]
+    block_ids, positions = make_block(bonus, seq_lens, K, mask_id)
     in_page = positions % page_size
     slots = req_to_token[req_pool_indices[:, None], positions - in_page].long() + in_page
     return block_ids, positions, slots
 
 
-def build_block(bonus, seq_lens, req_pool_indices, req_to_token, mask_id: int, block_size: int, page_size: int = 1):
+def build_block(bonus, seq_lens, req_pool_indices, req_to_token, mask_id: int, K: int, page_size: int = 1):
     args = (bonus.long().contiguous(), seq_lens.long().contiguous(), req_pool_indices.long().contiguous())
     if _kernel(bonus):
-        return tuple(_C.build_block(*args, req_to_token, mask_id, block_size, page_size))
-    return build_block_torch(*args, req_to_token, mask_id, block_size, page_size)
+        return tuple(_C.build_block(*args, req_to_token, mask_id, K, page_size))
+    return build_block_torch(*args, req_to_token, mask_id, K, page_size)
 
 
 # ---- gather_context_features --------------------------------------------------------------------
 def gather_context_features_torch(hidden, commit_lens, positions, slots):
-    """hidden [bs, B, F] (the verify forward's captured features), commit_lens [bs] in 0 … B,
-    positions, slots [bs, B] -> rows [bs*B, F], row_positions [bs*B], row_slots [bs*B], total [].
+    """hidden [bs, K, F] (the verify forward's captured features), commit_lens [bs] in 0 … K,
+    positions, slots [bs, K] -> rows [bs*K, F], row_positions [bs*K], row_slots [bs*K], total [].
 
     The committed rows (k < commit_lens[r]) come first, packed in request order, so rows[:total]
     are what the draft context needs; the other rows follow in the same order with slot -1.
     """
-    bs, B, F = hidden.shape
-    keep = (torch.arange(B, device=hidden.device)[None] < commit_lens[:, None]).reshape(-1)  # [bs*B]
+    bs, K, F = hidden.shape
+    keep = (torch.arange(K, device=hidden.device)[None] < commit_lens[:, None]).reshape(-1)  # [bs*K]
     order = torch.argsort((~keep).to(torch.int8), stable=True)  # committed rows first, order kept
     row_slots = torch.where(keep, slots.reshape(-1), -1)
-    return (hidden.reshape(bs * B, F)[order], positions.reshape(-1)[order], row_slots[order],
+    return (hidden.reshape(bs * K, F)[order], positions.reshape(-1)[order], row_slots[order],
             keep.sum())
 
 
@@ -81,29 +81,27 @@ def gather_context_features(hidden, commit_lens, positions, slots):
 
 
 # ---- accept_greedy -------------------------------------------------------------------------------
-def accept_greedy_torch(draft_tokens, target_tokens, seq_lens):
-    """draft_tokens [bs, B-1], target_tokens [bs, B] (the target's argmax at every block row),
-    seq_lens [bs] -> accept_len [bs] (longest prefix with d_i == t_{i-1}), next_token [bs]
-    (the target's token after it), new_seq_lens [bs] = seq_lens + accept_len + 1."""
-    match = draft_tokens == target_tokens[:, :-1]
-    accept_len = match.long().cumprod(-1).sum(-1)
+def accept_greedy_torch(draft_tokens, target_tokens):
+    """draft_tokens [bs, K-1], target_tokens [bs, K] (the target's argmax at every verified row)
+    -> accept_len [bs] (longest prefix with d_i == t_{i-1}: block.accepted_prefix), next_token [bs]
+    (the target's token after it)."""
+    accept_len = accepted_prefix(draft_tokens == target_tokens[:, :-1])
     next_token = target_tokens.gather(1, accept_len[:, None]).squeeze(1)
-    return accept_len, next_token, seq_lens + accept_len + 1
+    return accept_len, next_token
 
 
-def accept_greedy(draft_tokens, target_tokens, seq_lens=None):
-    if seq_lens is None:
-        seq_lens = torch.zeros(draft_tokens.shape[0], dtype=torch.long, device=draft_tokens.device)
-    args = (draft_tokens.long().contiguous(), target_tokens.long().contiguous(), seq_lens.long().contiguous())
+def accept_greedy(draft_tokens, target_tokens):
+    args = (draft_tokens.long().contiguous(), target_tokens.long().contiguous())
     if _kernel(draft_tokens):
         return tuple(_C.accept_greedy(*args))
     return accept_greedy_torch(*args)
 
 
-# ---- block_attention_mask ------------------------------------------------------------------------
-def block_attention_mask_torch(anchors, seq_len: int, block_size: int):
-    """anchors [N] -> mask [N*B, T + N*B] bool, True where a query row may attend: block j sees
-    context columns t < anchors[j] and its own B columns, never another block."""
+# ---- training_block_mask (the CUDA op keeps its first name, block_attention_mask) ------------------
+def training_block_mask_torch(anchors, seq_len: int, block_size: int):
+    """anchors [N] -> mask [N*B, T + N*B] bool, True where a query row may attend: the training forward's N
+    blocks over one sequence's T context rows. Block j sees context columns t < anchors[j] and its own B
+    columns, never another block."""
     N, B = anchors.numel(), block_size
     block_of_row = torch.arange(N * B, device=anchors.device) // B  # [Q]
     ctx = torch.arange(seq_len, device=anchors.device)[None, :] < anchors[block_of_row][:, None]  # [Q, T]
@@ -111,7 +109,7 @@ def block_attention_mask_torch(anchors, seq_len: int, block_size: int):
     return torch.cat([ctx, own], dim=1)
 
 
-def block_attention_mask(anchors, seq_len: int, block_size: int):
+def training_block_mask(anchors, seq_len: int, block_size: int):
     if _kernel(anchors):
         return _C.block_attention_mask(anchors.long().contiguous(), seq_len, block_size)
-    return block_attention_mask_torch(anchors, seq_len, block_size)
+    return training_block_mask_torch(anchors, seq_len, block_size)

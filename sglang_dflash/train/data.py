@@ -21,19 +21,34 @@ from typing import Iterable
 import requests
 
 
-def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
-    """A JSONL prompt set (fields id and prompt, as in ../shared/data) -> [{id, prompt}]."""
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Every row of a JSONL file ([] for a file that does not exist); a line that is not JSON is an error naming it."""
+    path = Path(path)
+    if not path.exists():
+        return []
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "prompt" not in row:
-                raise ValueError(f"{path}:{n + 1}: no 'prompt' field")
-            rows.append({"id": str(row.get("id", n)), "prompt": row["prompt"]})
-            if limit is not None and len(rows) >= limit:
-                break
+    for n, line in enumerate(path.read_text().splitlines()):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n + 1}: not JSON ({e})") from None
+    return rows
+
+
+def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
+    """A JSONL prompt set -> [{id, prompt}]: the field `prompt`, or the first of `turns` (multi-turn sets); the id
+    is the row's `id`, or its row number."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"no prompt file {path}")
+    rows = []
+    for n, row in enumerate(read_jsonl(path)):
+        text = row["prompt"] if "prompt" in row else (row.get("turns") or [None])[0]
+        if text is None:
+            raise ValueError(f"{path}: row {n + 1} has neither 'prompt' nor 'turns'")
+        rows.append({"id": str(row.get("id", n)), "prompt": text})
+        if limit is not None and len(rows) >= limit:
+            break
     return rows
 
 
@@ -78,10 +93,7 @@ def chat_ids(tokenizer, prompt: str, enable_thinking: bool | None = None) -> lis
 
 
 def read_responses(path: str | Path) -> list[dict]:
-    path = Path(path)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path)
 
 
 def missing_responses(prompts: list[dict], out: Path) -> list[dict]:

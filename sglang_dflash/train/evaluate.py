@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from sglang_dflash.block import accepted_counts, accepted_prefix, acceptance_by_row, make_block
 from sglang_dflash.cpu import gemm
 from sglang_dflash.generate import spec_generate, target_features
 from sglang_dflash.models.reference import ContextCache
@@ -74,7 +75,8 @@ def summary(steps: list[int], per_prompt: list[dict], block_size: int, method: s
         "temperature": temperature,
         "verify_steps": len(steps),
         "tau": sum(steps) / max(len(steps), 1),
-        "accept_rate_by_row": [round((accepted >= k).float().mean().item(), 4) for k in range(1, block_size)],
+        "accept_rate_by_row": [None if r is None else round(r, 4)
+                               for r in acceptance_by_row(accepted_counts(accepted, block_size))],
         "per_prompt": per_prompt,
     }
 
@@ -84,8 +86,8 @@ def replay_steps(target, draft, seq: torch.Tensor, prompt_len: int, length: int)
     """The tokens committed by each verify step of greedy speculative decoding whose output is
     seq[prompt_len : prompt_len + length]; seq [T] continues the target's greedy tokens at least
     block_size - 1 past that (the drafts of the last block are judged against them)."""
-    return replay_walk(draft, target.get_input_embeddings(), target.get_output_embeddings().weight, seq,
-                       sequence_features(target, seq, draft.config.target_layer_ids), prompt_len, length)
+    return replay_walks(draft, target.get_input_embeddings(), target.get_output_embeddings().weight, [seq],
+                        [sequence_features(target, seq, draft.config.target_layer_ids)], [prompt_len], [length])[0]
 
 
 def sequence_features(target, seq: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
@@ -95,36 +97,18 @@ def sequence_features(target, seq: torch.Tensor, layer_ids: list[int]) -> torch.
 
 
 @torch.no_grad()
-def replay_walk(draft, embed, head: torch.Tensor, seq: torch.Tensor, features: torch.Tensor, prompt_len: int,
-                length: int) -> list[int]:
-    """The walk of greedy decoding over a known continuation: embed the target's embedding (ids [n] ->
-    [n, H]), head [V, H] its lm_head weight, seq [T] tokens, features [T, F] the target's features of them."""
-    cfg = draft.config
-    B, device, dtype = cfg.block_size, seq.device, next(draft.parameters()).dtype
-    ctx = draft.context_kv(features[None].to(device, dtype), torch.arange(seq.numel(), device=device)[None])
-    steps, start, generated = [], prompt_len, 1  # the prefill gives the first token
-    while generated < length:
-        ids = torch.full((B,), cfg.mask_token_id, dtype=torch.long, device=device)
-        ids[0] = seq[start]
-        positions = torch.arange(start, start + B, device=device)[None]
-        context = ContextCache([k[:, :, :start] for k in ctx.keys], [v[:, :, :start] for v in ctx.values])
-        hidden = draft(embed(ids)[None].to(dtype), positions, context)[0, 1:]  # [B-1, H]
-        drafts = gemm.linear(hidden.to(head.dtype), head).argmax(-1)  # [B-1]
-        truth = seq[start + 1 : start + B]
-        match = (drafts[: truth.numel()] == truth).long()
-        n = int(match.cumprod(0).sum()) + 1  # accepted drafts + the target's own token
-        steps.append(n)
-        start, generated = start + n, generated + n
-    return steps
-
-
-@torch.no_grad()
 def replay_walks(draft, embed, head: torch.Tensor, seqs: list[torch.Tensor], features: list[torch.Tensor],
                  prompt_lens: list[int], lengths: list[int]) -> list[list[int]]:
-    """replay_walk for many sequences in lockstep: one draft forward per step for every walk still going
-    (a walk of n steps costs n forwards alone; together they cost as many as the longest). Rows are padded
-    to the longest sequence; a row's block attends to its own context before its start (mask), so each walk
-    is replay_walk's up to float rounding (test_train checks the two agree)."""
+    """The walks of greedy decoding over known continuations, one list of steps (tokens committed) per
+    sequence: embed the target's embedding (ids -> [.., H]), head [V, H] its lm_head weight, seqs[i] [T_i]
+    tokens, features[i] [T_i, F] the target's features of them; walk i covers
+    seqs[i][prompt_lens[i] : prompt_lens[i] + lengths[i]].
+
+    A step: the block [token at start, MASK, …] over the context before start, its drafts accepted while they
+    equal the continuation, start advances by accepted + 1. The walks run in lockstep, one draft forward per
+    step for every walk still going (together they cost as many forwards as the longest). Rows are padded to
+    the longest sequence; a row's block attends to its own context before its start (mask), so a walk is the
+    same alone or among others up to float rounding (test_train checks it)."""
     cfg = draft.config
     B, n, device, dtype = cfg.block_size, len(seqs), seqs[0].device, next(draft.parameters()).dtype
     T = max(s.numel() for s in seqs)
@@ -138,21 +122,18 @@ def replay_walks(draft, embed, head: torch.Tensor, seqs: list[torch.Tensor], fea
     generated = torch.ones(n, dtype=torch.long, device=device)  # the prefill gives the first token
     todo = torch.tensor(lengths, device=device)
     steps: list[list[int]] = [[] for _ in range(n)]
-    offsets, columns = torch.arange(B, device=device), torch.arange(T + B, device=device)
+    columns = torch.arange(T + B, device=device)
     while bool((generated < todo).any()):
         rows = (generated < todo).nonzero().flatten()  # [m] walks still going
         m, at = rows.numel(), start[rows]
-        ids = torch.full((m, B), cfg.mask_token_id, dtype=torch.long, device=device)
-        ids[:, 0] = tokens[rows, at]
-        positions = at[:, None] + offsets  # [m, B]
+        ids, positions = make_block(tokens[rows, at], at, B, cfg.mask_token_id)  # [m, B] each
         mask = (columns[None] < at[:, None]) | (columns[None] >= T)  # [m, T + B]: own context, then the block
         context = ContextCache([k[rows] for k in ctx.keys], [v[rows] for v in ctx.values])
         hidden = draft(embed(ids).to(dtype), positions, context, mask[:, None, None, :])[:, 1:]  # [m, B-1, H]
         drafts = gemm.linear(hidden.reshape(m * (B - 1), -1).to(head.dtype), head).argmax(-1).view(m, B - 1)
         where = positions[:, 1:]  # [m, B-1]: the tokens the drafts are judged against
-        match = (drafts == tokens[rows[:, None], where]) & (where < ends[rows, None])
-        accepted = match.long().cumprod(1).sum(1) + 1  # [m] accepted drafts + the target's own token
-        for r, a in zip(rows.tolist(), accepted.tolist()):
+        accepted = accepted_prefix((drafts == tokens[rows[:, None], where]) & (where < ends[rows, None])) + 1
+        for r, a in zip(rows.tolist(), accepted.tolist()):  # accepted drafts + the target's own token
             steps[r].append(a)
         start[rows] += accepted
         generated[rows] += accepted

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -24,6 +25,8 @@ from pathlib import Path
 import torch
 
 from sglang_dflash.generate import target_features
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -190,6 +193,7 @@ def build_feature_cache(target, responses: list[dict], layer_ids: list[int], roo
 
         bar = tqdm(total=len(responses), desc="features", dynamic_ncols=True)
     device = next(target.parameters()).device
+    cut = 0  # sequences longer than max_len, kept to their first max_len tokens
     for n, rows in enumerate(shards):
         path = root / f"shard-{n:05d}.safetensors"
         meta_path = path.with_suffix(".json")
@@ -211,10 +215,14 @@ def build_feature_cache(target, responses: list[dict], layer_ids: list[int], roo
                 got = (target_features(out.hidden_states, layer_ids)[0].to("cpu", torch.bfloat16),
                        out.hidden_states[-1][0].to("cpu", torch.bfloat16))
             out_rows.append((tokens[:max_len], len(r["prompt_ids"]), got[0][:max_len], got[1][:max_len]))
+            cut += len(tokens) > max_len
             if bar:
                 bar.update(1)
         save_shard(path, ids, out_rows)
     if bar:
         bar.close()
+    if cut:
+        log.warning("features: %d of the %d sequences built now are longer than %d tokens and were cut to their first "
+                    "%d (their tails are not trained on)", cut, sum(map(len, shards)), max_len, max_len)
     shutil.rmtree(root / "captured", ignore_errors=True)  # every captured row is in a shard now
     return FeatureCache(root)

@@ -22,7 +22,8 @@ import math
 
 import torch
 
-from sglang_dflash.ops.kernels import block_attention_mask  # noqa: F401  (the mask lives beside its CUDA kernel)
+from sglang_dflash.block import accepted_prefix, make_block
+from sglang_dflash.ops.kernels import training_block_mask  # noqa: F401  (the mask lives beside its CUDA kernel)
 
 IGNORE = -100
 
@@ -39,10 +40,8 @@ def sample_anchors(prompt_len: int, seq_len: int, num_blocks: int, generator: to
 
 def block_inputs(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):
     """tokens [T], anchors [N] -> block ids [N, B], positions [N, B], labels [N, B] (row 0 and overflow IGNORE)."""
-    T, B = tokens.numel(), block_size
-    positions = anchors[:, None] + torch.arange(B, device=anchors.device)[None]  # [N, B]
-    ids = torch.full_like(positions, mask_token_id)
-    ids[:, 0] = tokens[anchors]
+    T = tokens.numel()
+    ids, positions = make_block(tokens[anchors], anchors, block_size, mask_token_id)  # [N, B] each
     labels = torch.where(positions < T, tokens[positions.clamp(max=T - 1)], IGNORE)
     labels[:, 0] = IGNORE
     return ids, positions, labels
@@ -56,10 +55,10 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     return w
 
 
-def accepted_prefix(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """pred, labels [N, B] -> [N]: how many rows 1, 2, … match before the first miss (greedy acceptance)."""
-    hit = (pred[:, 1:] == labels[:, 1:]) & (labels[:, 1:] != IGNORE)
-    return hit.long().cumprod(dim=1).sum(dim=1)
+def teacher_forced_accepts(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """pred, labels [N, B] -> [N]: the drafts greedy decoding would accept, rows 1, 2, … up to the first miss
+    (a row past the sequence's end, labelled IGNORE, is a miss)."""
+    return accepted_prefix((pred[:, 1:] == labels[:, 1:]) & (labels[:, 1:] != IGNORE))
 
 
 def expected_tau(accepted: torch.Tensor) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -23,6 +24,8 @@ from sglang_dflash.train.parallel import fit_parallel
 from sglang_dflash.train.sources import training_prompts
 from sglang_dflash.train.trainer import FitConfig, Frozen, fit, init_from_target, training_vocab
 
+log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass
 class Recipe:
@@ -33,6 +36,7 @@ class Recipe:
     num_prompts: int | None = None  # per source; with weights, the size of the mix
     heldout_sets: list[str] = dataclasses.field(default_factory=list)  # more files to decontaminate against
     until: str = "fit"  # regenerate | features | fit: the last phase this run does
+    regenerate: bool = True  # False: no new responses; the prompts that have one in the work folder are the data
     self_temperature: float = 1.0  # the self source's sampling temperature
     train_on_evaluation_prompts: bool = False  # no decontamination (logged): the tests' tiny recipes
     max_new_tokens: int = 256
@@ -72,7 +76,13 @@ def regenerate(r: Recipe, tok, target=None, layer_ids: list[int] | None = None) 
     Path(r.work).mkdir(parents=True, exist_ok=True)
     (Path(r.work) / "decontamination.json").write_text(json.dumps(report, indent=2) + "\n")
     out = Path(r.work) / "responses.jsonl"
-    if r.generator == "hf":  # batches of gen_concurrency prompts, in gen_dtype
+    if not r.regenerate:  # a regeneration stopped part-way (over sittings): train on what it made
+        missing = len(data.missing_responses(prompts, out))
+        log.info("regenerate: off (--no-regenerate): %d of the %d prompts have a response in %s and are the data; "
+                 "%d have none", len(prompts) - missing, len(prompts), out, missing)
+        if missing == len(prompts):
+            raise ValueError(f"--no-regenerate: none of the {len(prompts)} prompts has a response in {out}")
+    elif r.generator == "hf":  # batches of gen_concurrency prompts, in gen_dtype
         dtype = getattr(torch, r.gen_dtype)
         same = target is not None and target.dtype == dtype
         model = target if same else load_target(r.target, dtype)[0].to(r.device)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from sglang_dflash.train.data import read_jsonl
 from sglang_dflash.train.sources import SELF, admit, clean_turn, normalise
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ def sample_self_prompts(model, tokenizer, num: int, path: str | Path, seed: int 
     same calls give the same prompts. A sample that does not end its turn within max_tokens is dropped (a cut
     request), as is one that prompt_problem refuses or that repeats a kept one."""
     path = Path(path)
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = read_jsonl(path)
     seen = {normalise(r["prompt"]) for r in rows}
     prefix, stops = user_turn(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]

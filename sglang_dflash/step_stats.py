@@ -1,0 +1,64 @@
+"""What the DFLASH worker counts about its decode steps, for benchmarks: tokens committed per verify step,
+the window each decode batch verified, and (when profiling) the wall time of each step phase. Off (the
+default) it is NO_STATS, whose phase() is a null context and record() does nothing: the step pays nothing.
+
+With the stats file setting (settings.py) the counts are kept in memory and the JSON file is rewritten after
+every decode step (atomically: write, then rename): no device sync, a bincount and a small file. Only with
+the profile setting as well is each phase timed, with a device sync on both sides so that it times the
+work, not its launch. `sglang-dflash bench` reads the file before and after a run (bench.stats_figures).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+
+import torch
+
+
+class NoStats:
+    def phase(self, name: str):
+        return contextlib.nullcontext()
+
+    def record(self, commit_lens: torch.Tensor, K: int) -> None:
+        pass
+
+
+NO_STATS = NoStats()
+
+
+class StepStats(NoStats):
+    def __init__(self, path: str, max_window: int, device, profile: bool = False):
+        self.path = path
+        self.profile = profile
+        self.accept_hist = torch.zeros(max_window + 1, dtype=torch.long)  # index n: steps that committed n tokens
+        self.window_hist = [0] * (max_window + 1)  # index k: decode batches that verified k rows per request
+        self.decode_batches = 0
+        self.phase_seconds: dict[str, float] = {}
+        cuda = str(device) != "cpu" and torch.cuda.is_available()
+        self.sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def phase(self, name: str):
+        return self._timed(name) if self.profile else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _timed(self, name: str):
+        self.sync()
+        t0 = time.perf_counter()
+        yield
+        self.sync()
+        self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def record(self, commit_lens: torch.Tensor, K: int) -> None:
+        """One decode step: commit_lens [bs] tokens committed per request, K rows verified per request."""
+        self.accept_hist += torch.bincount(commit_lens.cpu(), minlength=self.accept_hist.numel())
+        self.window_hist[K] += 1
+        self.decode_batches += 1
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"accept_length_histogram": self.accept_hist.tolist(), "decode_batches": self.decode_batches,
+                       "window_histogram": self.window_hist,
+                       **({"phase_seconds": self.phase_seconds} if self.profile else {})}, f)
+        os.replace(tmp, self.path)

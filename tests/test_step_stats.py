@@ -1,0 +1,54 @@
+"""step_stats.py: the worker's step statistics, off by default and counted in memory when on; and
+window.py's step clock."""
+
+import json
+
+import pytest
+import torch
+
+from sglang_dflash.step_stats import NO_STATS, StepStats
+from sglang_dflash.window import AdaptiveWindow
+
+pytestmark = pytest.mark.unit
+
+
+def test_off_costs_nothing_and_records_nothing():
+    with NO_STATS.phase("verify"):
+        pass
+    NO_STATS.record(torch.tensor([1, 2]), 4)  # no file, no state
+    assert not hasattr(NO_STATS, "accept_hist")
+
+
+@pytest.mark.parametrize("profile", [False, True])
+def test_on_counts_steps_and_windows_and_times_phases_only_when_profiling(tmp_path, profile):
+    path = tmp_path / "stats.json"
+    stats = StepStats(str(path), max_window=4, device="cpu", profile=profile)
+    with stats.phase("verify"):
+        pass
+    stats.record(torch.tensor([1, 4, 2]), 4)
+    stats.record(torch.tensor([1]), 1)
+    written = json.loads(path.read_text())
+    assert written["accept_length_histogram"] == [0, 2, 1, 0, 1]
+    assert written["window_histogram"] == [0, 1, 0, 0, 1] and written["decode_batches"] == 2
+    if profile:
+        assert written["phase_seconds"].keys() == {"verify"} and written["phase_seconds"]["verify"] >= 0
+    else:  # counting alone: no timing, no device sync
+        assert "phase_seconds" not in written and stats.phase_seconds == {}
+    assert [p.name for p in tmp_path.iterdir()] == ["stats.json"]  # no temporary file left
+
+
+def test_the_step_clock_times_decode_steps_only(monkeypatch):
+    import sglang_dflash.window as window
+
+    now = [100.0]
+    monkeypatch.setattr(window.time, "perf_counter", lambda: now[0])
+    policy = AdaptiveWindow(8)
+    policy.start_step(4, 8)
+    now[0] += 0.25
+    policy.end_step(next_is_decode=True)  # measured: start to the next forward's start
+    assert policy.buckets[AdaptiveWindow.bucket_of(4)].seconds == {8: 0.25}
+    policy.start_step(4, 4)
+    now[0] += 5.0
+    policy.end_step(next_is_decode=False)  # a prefill came next: its work would be counted, so nothing is
+    policy.end_step(next_is_decode=True)  # and nothing is pending any more
+    assert policy.buckets[AdaptiveWindow.bucket_of(4)].seconds == {8: 0.25}
