@@ -9,7 +9,7 @@ capture, draft KV sizing, the scheduler's DFLASH branches); what changes:
   - the torch_native attention backend learns TARGET_VERIFY batches (the CPU engine's backend);
   - on the CPU engine, the sgl-kernel CPU operators the PyPI wheel lacks are registered, and the
     target's float32 linear layers take a faster product inside the verify forward (cpu/gemm.py).
-SGLANG_DFLASH_IMPL=builtin leaves SGLang's builtin DFLASH untouched (for side-by-side runs).
+settings.py's IMPL=builtin leaves SGLang's builtin DFLASH untouched (for side-by-side runs).
 In every case, with or without DFLASH, requests that would crash a scheduler (an empty prompt, token
 ids outside the vocabulary) are refused with a 400 by the front end (request_checks.py).
 """
@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import os
 
+from sglang_dflash.settings import settings
+
 logger = logging.getLogger("sglang_dflash")
 _registered = False
 
@@ -27,13 +29,13 @@ HANDLE_ARGS = "sglang.srt.arg_groups.speculative_hook._handle_dflash"
 TORCH_NATIVE_EXTEND = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
 LINEAR_APPLY = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
 LM_HEAD = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
+MAYBE_DISABLE_ADAPTIVE = "sglang.srt.arg_groups.speculative_hook._maybe_disable_adaptive"
+INIT_ADAPTIVE = "sglang.srt.arg_groups.speculative_hook._init_adaptive_speculative_params"
+MAX_DRAFT_TOKENS = "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.resolve_max_speculative_num_draft_tokens"
 
 
 def use_builtin() -> bool:
-    impl = os.environ.get("SGLANG_DFLASH_IMPL", "sglang_dflash")
-    if impl not in ("sglang_dflash", "builtin"):
-        raise ValueError(f"SGLANG_DFLASH_IMPL={impl!r}: expected 'sglang_dflash' or 'builtin'")
-    return impl == "builtin"
+    return settings().impl == "builtin"
 
 
 def create_worker(original, self, server_args):
@@ -65,20 +67,49 @@ def handle_dflash_args(original, server_args):
                          "slots: --enable-unified-memory is not supported")
     if cfg.speculative_draft_model_path is None:
         raise ValueError("DFLASH needs --speculative-draft-model-path")
+    if cfg.speculative_adaptive_config is not None:
+        raise ValueError("--speculative-adaptive-config holds EAGLE's step counts per batch size; DFLASH's adaptive "
+                         "window measures its own step times and acceptance (sglang_dflash/window.py) and takes no "
+                         "config: give --speculative-adaptive alone")
     draft = load_checked(cfg.speculative_draft_model_path, cfg.model_path, cfg.speculative_num_draft_tokens,
                          cfg.trust_remote_code)
     if cfg.speculative_dflash_block_size is not None and int(cfg.speculative_dflash_block_size) != draft.block_size:
         raise ValueError(f"--speculative-dflash-block-size {cfg.speculative_dflash_block_size} does not match "
                          f"the draft's block_size {draft.block_size}")
     # --speculative-num-draft-tokens K is the verify window: each step verifies the bonus token and the
-    # first K-1 of the draft's B-1 proposals (default K = B; a smaller K costs less per step when the
-    # draft's later proposals are rarely accepted)
+    # first K-1 of the draft's B-1 proposals (a smaller K costs less per step when the draft's later
+    # proposals are rarely accepted). Without it the window is adaptive, 1 … B, chosen each step from
+    # measured step times and acceptance (window.py): the fastest setting by default. With it the window
+    # is fixed at K, unless --speculative-adaptive is given too (then adaptive, 1 … K).
     window = cfg.speculative_num_draft_tokens or draft.block_size
+    adaptive = bool(cfg.speculative_adaptive) or cfg.speculative_num_draft_tokens is None
     decided = dict(speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=window,
-                   disable_overlap_schedule=True)
-    if cfg.max_running_requests is None:
+                   speculative_adaptive=adaptive, disable_overlap_schedule=True)
+    if cfg.max_running_requests is None:  # what SGLang's own handler of every speculative algorithm decides
         decided["max_running_requests"] = 48
     declare_resolution(server_args, "sglang_dflash", **decided)
+
+
+def keep_dflash_adaptive(original, server_args):
+    """Around SGLang's _maybe_disable_adaptive and _init_adaptive_speculative_params, which run before the
+    algorithm's own argument handling: SGLang's adaptive speculation is EAGLE's (it turns itself off for any
+    other algorithm, and sets EAGLE's step counts and num_draft_tokens from its candidate steps). For DFLASH
+    --speculative-adaptive means this worker's adaptive window, decided in handle_dflash_args."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    if resolving_view(server_args).speculative_algorithm == "DFLASH":
+        return None
+    return original(server_args)
+
+
+def max_draft_tokens(original, self, server_args):
+    """Around SpeculativeAlgorithm.resolve_max_speculative_num_draft_tokens: SGLang sizes an adaptive server for
+    EAGLE's candidate step counts; DFLASH's adaptive window never exceeds --speculative-num-draft-tokens."""
+    if self.is_dflash():
+        from sglang.srt.arg_groups.overrides import resolving_view
+
+        return resolving_view(server_args).speculative_num_draft_tokens
+    return original(self, server_args)
 
 
 def torch_native_forward_extend(original, self, q, k, v, layer, forward_batch, save_kv_cache=True):
@@ -113,10 +144,13 @@ def register() -> None:
     # with or without DFLASH: an empty prompt or an id outside the vocabulary gets a 400, not a dead server
     HookRegistry.register(request_checks.VALIDATE_REQUEST, request_checks.validate_one_request, HookType.AROUND)
     if use_builtin():
-        logger.warning("sglang-dflash %s: SGLANG_DFLASH_IMPL=builtin, SGLang's own DFLASH runs", __version__)
+        logger.warning("sglang-dflash %s: %s: SGLang's own DFLASH runs", __version__, settings().describe())
         return
     HookRegistry.register(CREATE_WORKER, create_worker, HookType.AROUND)
     HookRegistry.register(HANDLE_ARGS, handle_dflash_args, HookType.AROUND)
+    HookRegistry.register(MAYBE_DISABLE_ADAPTIVE, keep_dflash_adaptive, HookType.AROUND)
+    HookRegistry.register(INIT_ADAPTIVE, keep_dflash_adaptive, HookType.AROUND)
+    HookRegistry.register(MAX_DRAFT_TOKENS, max_draft_tokens, HookType.AROUND)
     HookRegistry.register(TORCH_NATIVE_EXTEND, torch_native_forward_extend, HookType.AROUND)
     registered_ops = []
     if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":

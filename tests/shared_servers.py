@@ -98,6 +98,7 @@ def oracle_server(smol, smol_base_url, tmp_path_factory):
     file = folder / "sequences.json"
     file.write_text(json.dumps(rows))
     env = {**oracle_env(file), "SGLANG_DFLASH_STATS_FILE": str(folder / "stats.json"),  # read by the benchmark test
+           "SGLANG_DFLASH_PROFILE": "1",  # with the step profile (the benchmark test checks its table)
            "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}  # a KV leak, seen when idle, stops the server
     with sglang_server(smol["path"], *dflash_args(smol["draft"]), env=env) as url:
         yield {"url": url, "stats": folder / "stats.json", "rules": list(zip(rules, rule_refs)), "sequences": file,

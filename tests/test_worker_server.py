@@ -426,20 +426,45 @@ def test_verify_window_shorter_than_the_block(smol, smol_base_url, window4_url):
 
 
 def test_adaptive_window_is_lossless_and_falls_back_to_decoding(smol, tmp_path):
-    """SGLANG_DFLASH_WINDOW=adaptive with the random draft, which accepts nothing: the greedy output is the
-    baseline's at concurrency 16, and once each batch size has measured its anchors (a window of 16, 2, 1)
-    the server verifies one row per step, a plain decode step; a sampled request decodes through it too."""
+    """The default window (no --speculative-num-draft-tokens: adaptive, 1 … the block) with the random draft,
+    which accepts nothing: the greedy output is the baseline's at concurrency 16, and once each batch size has
+    measured its anchors (a window of 16, 2, 1) the server verifies one row per step, a plain decode step; a
+    sampled request decodes through it too."""
     stats = tmp_path / "stats.json"
-    env = {"SGLANG_DFLASH_WINDOW": "adaptive", "SGLANG_DFLASH_STATS_FILE": str(stats)}
+    env = {"SGLANG_DFLASH_STATS_FILE": str(stats)}
     inputs, refs = sixteen_of_forty(smol["inputs"]), first_tokens(sixteen_of_forty(smol["base"]), 64)
-    with sglang_server(smol["path"], *dflash_args(smol["draft"]), env=env) as url:
+    log = tmp_path / "server.log"
+    no_window = ("--dtype", "float32", "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",
+                 str(smol["draft"]))
+    with sglang_server(smol["path"], *no_window, env=env, log_path=str(log)) as url:
         outs = run_all(url, inputs, 16, max_new_tokens=64)
         sampled = generate(url, inputs[0], temperature=0.8, max_new_tokens=24, ignore_eos=True)
+    assert "verify window adaptive 1-16" in log.read_text()  # the choice made for the user, in its start-up line
     assert_same(outs, refs, "adaptive window")
     assert len(sampled["output_ids"]) == sampled["meta_info"]["completion_tokens"] == 24
     windows = json.loads(stats.read_text())["window_histogram"]  # decode batches by rows verified
     print(f"adaptive window, random draft: decode batches by window {dict((k, n) for k, n in enumerate(windows) if n)}")
     assert windows[1] > 0.6 * sum(windows) and windows[16] >= 1 and windows[2] >= 1
+
+
+def test_speculative_adaptive_with_a_window_adapts_up_to_it(smol, tmp_path):
+    """--speculative-num-draft-tokens 8 --speculative-adaptive (SGLang's own flag, which SGLang itself would turn
+    off for any algorithm but EAGLE): adaptive, 1 … 8; greedy output still the baseline's; and SGLang's own
+    speculative metrics (--enable-metrics) carry the worker's verify steps."""
+    stats, log = tmp_path / "stats.json", tmp_path / "server.log"
+    inputs, refs = smol["inputs"][:4], first_tokens(smol["base"][:4], 16)
+    with sglang_server(smol["path"], *dflash_args(smol["draft"], "--speculative-adaptive", "--enable-metrics",
+                                                  "--decode-log-interval", "1", window=8),
+                       env={"SGLANG_DFLASH_STATS_FILE": str(stats)}, log_path=str(log)) as url:
+        outs = run_all(url, inputs, 4, max_new_tokens=16)
+        metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in requests.get(url + "/metrics").text
+                   .splitlines() if line.startswith("sglang:spec_")}
+    assert_same(outs, refs, "--speculative-adaptive with a window of 8")
+    assert metrics["sglang:spec_verify_calls_total"] >= sum(o["meta_info"]["spec_verify_ct"] for o in outs) > 0
+    assert metrics["sglang:spec_accept_length"] >= 1 and metrics["sglang:spec_num_draft_tokens"] == 8
+    assert "verify window adaptive 1-8" in log.read_text()
+    windows = json.loads(stats.read_text())["window_histogram"]
+    assert len(windows) == 9 and windows[8] >= 1  # it starts with the whole window, as the adaptive policy does
 
 
 def test_tensor_parallel_2_equals_1(smol, oracle_server):
@@ -481,8 +506,16 @@ BAD_LAUNCHES = {
     "mask token": ({"dflash_config": {"target_layer_ids": [1, 27]}}, (), "mask_token_id is missing"),
     "layer ids": ({"dflash_config": {"target_layer_ids": [1, 30], "mask_token_id": 16}}, (),
                   "target_layer_ids [30] are out of range"),
+    "DFlash2 selector": ({"dflash_config": {"target_layer_ids": [1, 14, 27], "mask_token_id": 16, "selector_rank": 64,
+                                            "selector_top_k": 8}}, (),
+                         "keys this worker does not implement: dflash_config.selector_rank=64, "
+                         "dflash_config.selector_top_k=8. SGLang's builtin DFLASH may run it"),
+    "sliding window": ({"layer_types": ["sliding_attention", "full_attention", "full_attention"], "sliding_window": 512},
+                       (), 'keys this worker does not implement: layer_types=["sliding_attention", '),
     "window option": ({}, ("--speculative-draft-window-size", "64"), "--speculative-draft-window-size is not supported"),
     "unified memory": ({}, ("--enable-unified-memory",), "--enable-unified-memory is not supported"),
+    "adaptive config": ({}, ("--speculative-adaptive", "--speculative-adaptive-config", "/dev/null"),
+                        "--speculative-adaptive-config holds EAGLE's step counts"),
     "missing draft": (None, (), None),  # SGLang reads the draft's config before our checks: its error names the path
 }
 
