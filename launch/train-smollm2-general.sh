@@ -20,22 +20,7 @@ TARGET="$HOME_DIR/fixtures/smollm2"
 PY="$ROOT/.venv/bin/python"
 
 pack() {  # the responses in the work folder that no shard holds -> the next shard
-  "$PY" - "$WORK/responses.jsonl" "$SHARDS" <<'EOF'
-import gzip, json, sys
-from pathlib import Path
-work, shards = Path(sys.argv[1]), Path(sys.argv[2])
-shards.mkdir(parents=True, exist_ok=True)
-have = {json.loads(line)["id"] for f in sorted(shards.glob("responses-*.jsonl.gz"))
-        for line in gzip.open(f, "rt") if line.strip()}
-new = [line for line in work.read_text().splitlines() if line.strip() and json.loads(line)["id"] not in have]
-if not new:
-    sys.exit(print(f"pack: no new responses in {work}"))
-out = shards / f"responses-{len(list(shards.glob('responses-*.jsonl.gz'))) + 1:03d}.jsonl.gz"
-with open(out, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:  # the same bytes every time
-    f.write(("\n".join(new) + "\n").encode())
-tokens = sum(len(json.loads(line)["output_ids"]) for line in new)
-print(f"pack: {out}: {len(new)} responses, {tokens} response tokens, {out.stat().st_size} bytes")
-EOF
+  "$PY" -m sglang_dflash.train.shards pack "$SHARDS" "$WORK/responses.jsonl"
 }
 
 regenerate() {
@@ -46,20 +31,7 @@ regenerate() {
   [ -f "$variants" ] || "$ROOT/.venv/bin/sglang-dflash" prompt-variants --prompts "$SHARED/gsm8k_train.jsonl" \
     --copies 1 --seed 1 --out "$variants"
   # the committed shards first: the recipe skips every prompt that has a response
-  "$PY" - "$WORK/responses.jsonl" "$SHARDS" <<'EOF'
-import gzip, json, sys
-from pathlib import Path
-work, shards = Path(sys.argv[1]), Path(sys.argv[2])
-have = {json.loads(line)["id"] for line in work.read_text().splitlines() if line.strip()} if work.exists() else set()
-added = 0
-with open(work, "a") as out:
-    for f in sorted(shards.glob("responses-*.jsonl.gz")):
-        for line in gzip.open(f, "rt"):
-            if line.strip() and json.loads(line)["id"] not in have:
-                out.write(line if line.endswith("\n") else line + "\n")
-                added += 1
-print(f"regenerate: {added} committed responses loaded into {work}")
-EOF
+  "$PY" -m sglang_dflash.train.shards load "$SHARDS" "$WORK/responses.jsonl"
   local rc=0
   # stopped after MINUTES with SIGTERM (SIGINT is ignored by a background job): the batch in flight is lost,
   # every finished one is in the work folder
