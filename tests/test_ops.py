@@ -52,6 +52,30 @@ def test_paged_block_attention_matches_per_request_sdpa(causal, seed):
         torch.testing.assert_close(out[i * n:(i + 1) * n], ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_paged_block_attention_with_a_tree_mask_matches_per_request_sdpa(seed):
+    """A tree's verify (tree.ancestor_mask as the block mask): each node over the prefix and its ancestors."""
+    from sglang_dflash.tree import ancestor_mask, build_trees
+
+    g = torch.Generator().manual_seed(seed)
+    bs, n, h, kvh, d = 3, 7, 4, 2, 8
+    req_to_token, rpi, prefix = random_pool(g, bs, n, max_prefix=40)
+    _, parents, _ = build_trees(torch.log_softmax(torch.randn(bs, 4, 10, generator=g), -1), 2, n, torch.zeros(bs))
+    block_mask = torch.stack([ancestor_mask(p) for p in parents])
+    k_buf, v_buf = torch.randn(512, kvh, d, generator=g), torch.randn(512, kvh, d, generator=g)
+    q = torch.randn(bs * n, h, d, generator=g)
+    out = paged_block_attention(q, k_buf, v_buf, req_to_token, rpi, prefix, n, 0.3, True, block_mask)
+    for i in range(bs):
+        P = int(prefix[i])
+        slots = req_to_token[rpi[i], :P + n].long()
+        k = k_buf[slots].repeat_interleave(h // kvh, 1).transpose(0, 1)
+        v = v_buf[slots].repeat_interleave(h // kvh, 1).transpose(0, 1)
+        mask = torch.cat([torch.ones(n, P, dtype=torch.bool), block_mask[i]], dim=1)
+        ref = F.scaled_dot_product_attention(q[i * n:(i + 1) * n].transpose(0, 1), k, v, attn_mask=mask,
+                                             scale=0.3).transpose(0, 1)
+        torch.testing.assert_close(out[i * n:(i + 1) * n], ref, atol=1e-5, rtol=1e-5)
+
+
 def test_cpu_kernel_twins():
     g = torch.Generator().manual_seed(0)
     req_to_token = torch.zeros(4, 32, dtype=torch.int32)

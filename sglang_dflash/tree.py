@@ -1,0 +1,164 @@
+"""Tree verification (DDTree: Ringel & Romano, arXiv 2604.12989) from one draft forward: the tree, its
+mask, and the rules that accept a path of it. Plain torch; the worker does not use it yet (issue 29).
+
+The draft fills its block in one forward, so block row d (d = 1 … B-1) comes with a whole distribution
+over the vocabulary, and that distribution does not depend on which tokens were chosen at rows before d.
+A chain verifies only the top-1 token of every row. The tree spends the same verify rows on the most
+likely sequences instead: a node at depth d is a token of row d, its path from the root a candidate
+continuation, scored by the sum of its tokens' draft log-probabilities.
+
+    build_tree(logprobs [D, V], k, budget) -> Tree   the `budget` highest-scoring paths (the root included),
+                                                      from the top-k tokens of each row, best first
+    Tree.tokens [N], parents [N], depths [N]          node 0 is the root (the bonus token, depth 0); a node's
+                                                      parent comes before it
+    ancestor_mask(parents) [N, N]                     node i attends to node j when j is i or an ancestor of
+                                                      i (the verify forward's mask within the block)
+    accept_tree_greedy(tree, target_next [N])         the longest root path whose every token is the target's
+                                                      own choice after its parent, + the target's next token
+    accept_tree_sampled(tree, p [N, V], u [D + 1])    the same path drawn as the target samples: exact
+
+For a batch of bs requests with one node budget N (the verify forward's rows per request):
+
+    build_trees(logprobs [bs, D, V], k, N)            tokens, parents, depths [bs, N] (root tokens: the bonus)
+    tree_verify_mask(parents, prefix_lens, L)         [bs, 1, N, L]: node i sees the committed prefix and its
+                                                      ancestors in the block, which sits at prefix … prefix+N-1
+    keep_path_slots(slots [bs, N], paths)             the accepted nodes' KV slots in path order (they become
+                                                      positions prefix, prefix + 1, …: no KV is copied), and
+                                                      the slots of the other nodes, to free
+
+Sampling: at the current node draw x from the target's distribution p there; if a child holds x, move to it
+and go on, else x is the next token and the walk ends. That is recursive rejection over the children with
+each child proposed as a point mass (SpecInfer's rule with q = δ(child): child c is accepted with probability
+p_res(c), and a rejection removes c from the residual), so every committed token is distributed exactly as the
+target's: tests/test_tree.py enumerates it. The tree's candidates are chosen by the draft, deterministically;
+only the target's draws are random.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+
+import torch
+
+
+@dataclasses.dataclass
+class Tree:
+    tokens: torch.Tensor  # [N] int64: node 0 is the root (its token is the bonus token, filled by the caller)
+    parents: torch.Tensor  # [N] int64: -1 for the root; parents[i] < i
+    depths: torch.Tensor  # [N] int64: 0 for the root; a node of depth d holds a token of block row d
+    scores: torch.Tensor  # [N] float: the sum of the path's draft log-probabilities (0 for the root)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.numel()
+
+    def children(self, node: int) -> list[int]:
+        return (self.parents == node).nonzero().flatten().tolist()
+
+
+def build_tree(logprobs: torch.Tensor, k: int, budget: int, root_token: int = -1) -> Tree:
+    """logprobs [D, V]: the draft's log-distribution at block rows 1 … D -> the tree of the `budget` best paths
+    (node count, the root included; fewer when the k^1 + … + k^D paths there are run out).
+
+    Best first: a candidate is a path of ranks (r_1 … r_d), r_i < k the rank of its token at row i; its score
+    is the sum of those tokens' log-probabilities. Popping the best candidate adds its node; its successors
+    are its first child (r_1 … r_d, 0) and its next sibling (r_1 … r_d + 1). Both score no more than it, so
+    candidates leave the heap in descending score, and a node's parent is always taken before it."""
+    D = logprobs.shape[0]
+    k = min(k, logprobs.shape[1])
+    top_lp, top_ids = logprobs.float().topk(k, dim=-1)  # [D, k] each, descending
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    tokens, parents, depths, scores = [root_token], [-1], [0], [0.0]
+    # heap of (-score, tie-break, depth d (1-based), rank at d, parent node, parent's score)
+    heap = [(-top_lp[0][0], 0, 1, 0, 0, 0.0)] if D > 0 and budget > 1 else []
+    order = 1
+    while heap and len(tokens) < budget:
+        neg, _, d, r, parent, base = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(top_ids[d - 1][r])
+        parents.append(parent)
+        depths.append(d)
+        scores.append(-neg)
+        if d < D:  # its first child
+            heapq.heappush(heap, (neg - top_lp[d][0], order, d + 1, 0, node, -neg))
+            order += 1
+        if r + 1 < k:  # its next sibling
+            heapq.heappush(heap, (-(base + top_lp[d - 1][r + 1]), order, d, r + 1, parent, base))
+            order += 1
+    return Tree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.tensor(scores))
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """parents [N] (parents[i] < i, -1 for the root) -> [N, N] bool: True where node i may attend node j (j is i
+    or one of its ancestors)."""
+    N = parents.numel()
+    mask = torch.eye(N, dtype=torch.bool, device=parents.device)
+    for i in range(1, N):  # a node sees what its parent sees, and itself
+        mask[i] |= mask[int(parents[i])]
+    return mask
+
+
+def accept_tree_greedy(tree: Tree, target_next: torch.Tensor) -> tuple[list[int], int]:
+    """target_next [N]: the target's greedy token after each node (its argmax there) -> (the accepted path's
+    nodes, the root first; the target's next token after the path's last node)."""
+    path, node = [0], 0
+    while True:
+        want = int(target_next[node])
+        child = next((c for c in tree.children(node) if int(tree.tokens[c]) == want), None)
+        if child is None:
+            return path, want
+        path.append(child)
+        node = child
+
+
+def accept_tree_sampled(tree: Tree, p: torch.Tensor, u: torch.Tensor) -> tuple[list[int], int]:
+    """p [N, V]: the target's distribution after each node (after the request's temperature and filters);
+    u [D + 1]: uniforms in (0, 1), one per depth the walk may reach -> (the accepted path's nodes, the next
+    token). At the node of depth d the token is drawn from p by inverse CDF with u[d] (accept.sample_inverse_cdf:
+    never a token of probability 0)."""
+    from sglang_dflash.accept import sample_inverse_cdf
+
+    path, node = [0], 0
+    while True:
+        x = int(sample_inverse_cdf(p[node], u[int(tree.depths[node])]))
+        child = next((c for c in tree.children(node) if int(tree.tokens[c]) == x), None)
+        if child is None:
+            return path, x
+        path.append(child)
+        node = child
+
+
+def build_trees(logprobs: torch.Tensor, k: int, budget: int, root_tokens: torch.Tensor):
+    """logprobs [bs, D, V], root_tokens [bs] -> tokens, parents, depths, each [bs, N] int64 (N = budget): one
+    tree per request. Every request gets exactly `budget` nodes (an error if k and D hold fewer paths)."""
+    bs, D = logprobs.shape[:2]
+    most = sum(min(k, logprobs.shape[-1]) ** d for d in range(D + 1))
+    if budget > most:
+        raise ValueError(f"a tree of {budget} nodes needs more paths than top-{k} over {D} rows hold ({most})")
+    trees = [build_tree(logprobs[i], k, budget, int(root_tokens[i])) for i in range(bs)]
+    return tuple(torch.stack([getattr(t, f) for t in trees]).to(logprobs.device) for f in ("tokens", "parents", "depths"))
+
+
+def tree_verify_mask(parents: torch.Tensor, prefix_lens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """parents [bs, N], prefix_lens [bs] -> [bs, 1, N, L] bool (L = max_len >= prefix + N): node i of a request
+    sees key column j < prefix (the committed context) and block column prefix + m when node m is i or one of
+    its ancestors (ops/attention.paged_block_mask with the ancestor masks; with k = 1, its causal mask)."""
+    from sglang_dflash.ops.attention import paged_block_mask
+
+    anc = torch.stack([ancestor_mask(row) for row in parents])  # [bs, N, N]
+    return paged_block_mask(prefix_lens, parents.shape[1], max_len, causal=True, block_mask=anc)
+
+
+def keep_path_slots(slots: torch.Tensor, paths: list[list[int]]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """slots [bs, N]: the KV slot each node was verified in (node m at position prefix + m of the request's
+    req_to_token row); paths: each request's accepted nodes, root first -> (per request the slots of its path in
+    order, which req_to_token[prefix : prefix + len(path)] takes, so the accepted K/V stays where it was
+    written; the slots of every other node [total], to free)."""
+    kept, dropped = [], []
+    for row, path in zip(slots, paths):
+        keep = torch.zeros(row.numel(), dtype=torch.bool, device=row.device)
+        keep[path] = True
+        kept.append(row[path])
+        dropped.append(row[~keep])
+    return kept, torch.cat(dropped) if dropped else slots.new_empty(0)
