@@ -85,8 +85,14 @@ def handle_dflash_args(original, server_args):
     adaptive = bool(cfg.speculative_adaptive) or cfg.speculative_num_draft_tokens is None
     decided = dict(speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=window,
                    speculative_adaptive=adaptive, disable_overlap_schedule=True)
-    if cfg.max_running_requests is None:  # what SGLang's own handler of every speculative algorithm decides
+    # SGLang caps every speculative server at 48 running requests. A fixed window keeps that cap; an adaptive one
+    # does not need it (at a large batch it verifies one row, a plain decode step), and the server then runs as
+    # many requests as it would without speculation (with the cap, bench_serving at concurrency 64 ran 48 requests
+    # at a time against the baseline's 64: benchmarks/README.md, 2026-12-05).
+    if cfg.max_running_requests is None and not adaptive:
         decided["max_running_requests"] = 48
+        logger.info("DFLASH with a fixed verify window of %d: at most 48 running requests, SGLang's setting for "
+                    "speculative servers (--max-running-requests overrides it)", window)
     declare_resolution(server_args, "sglang_dflash", **decided)
 
 

@@ -14,17 +14,29 @@ a weak draft, the server falls back to decoding as it would without speculation.
 depend on k (greedy: the target's tokens; sampling: the target's distribution), only the speed does.
 
   - a_j: the fraction of requests that accepted at least j drafts, over the steps that checked more
-    than j rows (a step of window k observes a_1 … a_{k-1}), older steps' counts decaying by 1 - RATE
-    at each new observation of that row; before any, the prior a_j = PRIOR ** j (one request's worth).
-    Until every row has been seen for MIN_SEEN requests, steps take the whole window K, which shows them
-    all (one step at a busy server, a few at a quiet one).
+    than j rows (a step of window k observes a_1 … a_{k-1}), older counts decaying by 1 - RATE for
+    each newly observed request (a memory of about 1 / RATE requests, however rarely the row is checked);
+    before any, the prior a_j = PRIOR ** j (one request's worth).
   - T(bs, k): the measured wall time of decode steps (from one decode step's start to the next
     forward's), per batch-size bucket (1, 2-3, 4-7, 8-15, …), at the anchors k = 1, 2, 4, 8, … and K,
-    linear in k between neighbouring anchors (k = 1 has no draft forward; above it the draft costs
-    the same for every k and the verify grows with its rows, not always in proportion: on a CPU a
-    verify of 8 rows cost half one of 16, SmolLM2 at 4 requests). An anchor not yet measured in a
-    bucket, or measured more than `refresh` steps of that bucket ago, is taken next, so the costs
-    follow the load and the machine.
+    linear in k between neighbouring measured anchors (k = 1 has no draft forward; above it the draft
+    costs the same for every k and the verify grows with its rows, not always in proportion).
+
+Exploring costs steps: on this 2-core CPU in bfloat16 a step of 16 rows at 16 requests took 12 times a
+1-row step, so a policy that first measures the whole window (as this one did until 2026-12-05) spends a
+short run's time on steps that cannot pay with a weak draft. So a bucket climbs the anchors from the
+cheapest, and measures the next one only while it could still win:
+
+  - k = 1 first (a plain decode step: what the server would do without speculation);
+  - then the next anchor a above the largest measured one p, only if its optimistic value beats the best
+    measured window's E(k)/T(k): optimistic in acceptance (each a_j at an upper confidence bound,
+    (hits + Z) / (seen + Z), and never above a row before it, since a_j cannot grow with j) and in cost
+    (a step of a rows costs at least the measured T(p)). A weak draft stops the climb at 2; a strong
+    one, or a device where rows are nearly free, climbs to K;
+  - every `refresh` steps of a bucket, the anchors around the chosen window (the one at or below it, and
+    the next one up, which keeps the acceptance of the rows just past the window observed) are measured
+    again, so that costs and acceptance follow the load, the prompts and the machine. At most two steps
+    in `refresh` explore; with the choice at k = 1 that is one 2-row step.
 
 Wall times differ between tensor-parallel ranks: the worker takes rank 0's choice.
 
@@ -45,8 +57,8 @@ import dataclasses
 import time
 
 PRIOR = 0.5  # a_j before any step observed it
-RATE = 0.05  # the decay of older counts at each new observation of a row
-MIN_SEEN = 16  # requests a row must have been checked for before its rate is trusted
+RATE = 0.02  # the decay of older counts per newly observed request
+Z = 2.0  # the upper confidence bound of a_j counts Z more requests that all accepted
 
 
 @dataclasses.dataclass
@@ -58,13 +70,13 @@ class Bucket:
 
 
 class AdaptiveWindow:
-    def __init__(self, max_window: int, refresh: int = 64, anchors_only: bool = False):
+    def __init__(self, max_window: int, refresh: int = 128, anchors_only: bool = False):
         assert max_window >= 2
         self.K = max_window
         self.refresh = refresh
         self.anchors_only = anchors_only  # choose among measured anchors only (CUDA graphs: see above)
         powers = {1 << i for i in range(max_window.bit_length()) if 1 << i < max_window}
-        self.anchors = sorted(powers | {max_window}, reverse=True)  # K first: start where the fixed window is
+        self.anchors = sorted(powers | {max_window})  # 1, 2, 4, …, K: climbed from the cheapest
         self.hits = [PRIOR ** j for j in range(max_window)]  # decayed count of requests accepting >= j drafts
         self.seen = [1.0] * max_window  # decayed count of requests whose row j was checked
         self.buckets: dict[int, Bucket] = {}
@@ -83,8 +95,16 @@ class AdaptiveWindow:
         """E(k): tokens a request commits in a step of window k."""
         return 1.0 + sum(self.accept_rate[1:k])
 
+    def optimistic_tokens(self, k: int) -> float:
+        """E(k) with each a_j at its upper confidence bound, never above the row before it."""
+        total, bound = 1.0, 1.0
+        for j in range(1, k):
+            bound = min(bound, (self.hits[j] + Z) / (self.seen[j] + Z))
+            total += bound
+        return total
+
     def step_seconds(self, bucket: Bucket, k: int) -> float:
-        """T(bs, k) from the anchors, linear between the two around k."""
+        """T(bs, k) from the measured anchors, linear between the two around k."""
         if k in bucket.seconds:
             return bucket.seconds[k]
         hi = min(a for a in self.anchors if a > k)
@@ -92,17 +112,34 @@ class AdaptiveWindow:
         t_lo, t_hi = bucket.seconds[lo], bucket.seconds[hi]
         return t_lo + (t_hi - t_lo) * (k - lo) / (hi - lo)
 
+    def priced(self, bucket: Bucket, k: int) -> bool:
+        """Whether T(bs, k) is known: k a measured anchor, or both anchors around it measured."""
+        if k in self.anchors:
+            return k in bucket.seconds
+        return (max(a for a in self.anchors if a < k) in bucket.seconds
+                and min(a for a in self.anchors if a > k) in bucket.seconds)
+
     def choose(self, batch_size: int) -> int:
         """The window of the next decode step at this batch size."""
         bucket = self.buckets.setdefault(self.bucket_of(batch_size), Bucket())
         bucket.steps += 1
-        if min(self.seen[1:]) < MIN_SEEN:  # some row's acceptance is still unknown: look at every row
-            return self.K
-        for k in self.anchors:  # an anchor unmeasured or stale: measure it
-            if k not in bucket.seconds or bucket.steps - bucket.measured_at[k] > self.refresh:
+        measured = [a for a in self.anchors if a in bucket.seconds]  # climbed from 1: 1, 2, 4, … up to some top
+        if not measured:
+            return 1
+        top = measured[-1]
+        windows = measured if self.anchors_only else [k for k in range(1, top + 1) if self.priced(bucket, k)]
+        best = max(windows, key=lambda k: self.expected_tokens(k) / self.step_seconds(bucket, k))
+        best_value = self.expected_tokens(best) / self.step_seconds(bucket, best)
+        if top < self.K:  # climb to the next anchor while it could still win
+            nxt = min(a for a in self.anchors if a > top)
+            if self.optimistic_tokens(nxt) / bucket.seconds[top] > best_value:
+                return nxt
+        lo = max(a for a in measured if a <= best)
+        around = [lo] + measured[measured.index(lo) + 1: measured.index(lo) + 2]  # and the next one up
+        for k in around:
+            if bucket.steps - bucket.measured_at[k] > self.refresh:
                 return k
-        windows = self.anchors if self.anchors_only else range(1, self.K + 1)
-        return max(windows, key=lambda k: self.expected_tokens(k) / self.step_seconds(bucket, k))
+        return best
 
     # The step clock. A decode step's wall time runs from its start to the start of the scheduler's next
     # forward, so that it includes the scheduler's own share of the step; hence two calls: start_step when
@@ -129,6 +166,7 @@ class AdaptiveWindow:
 
     def observe_accepts(self, accept_lens: list[int], k: int) -> None:
         """Drafts accepted per request in a step of window k (each 0 … k-1): updates a_1 … a_{k-1}."""
+        keep = (1 - RATE) ** len(accept_lens)
         for j in range(1, k):
-            self.hits[j] = (1 - RATE) * self.hits[j] + sum(a >= j for a in accept_lens)
-            self.seen[j] = (1 - RATE) * self.seen[j] + len(accept_lens)
+            self.hits[j] = keep * self.hits[j] + sum(a >= j for a in accept_lens)
+            self.seen[j] = keep * self.seen[j] + len(accept_lens)

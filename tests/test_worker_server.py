@@ -425,9 +425,9 @@ def test_verify_window_shorter_than_the_block(smol, smol_base_url, window4_url):
 
 def test_adaptive_window_is_lossless_and_falls_back_to_decoding(smol, tmp_path):
     """The default window (no --speculative-num-draft-tokens: adaptive, 1 … the block) with the random draft,
-    which accepts nothing: the greedy output is the baseline's at concurrency 16, and once each batch size has
-    measured its anchors (a window of 16, 2, 1) the server verifies one row per step, a plain decode step; a
-    sampled request decodes through it too."""
+    which accepts nothing: the greedy output is the baseline's at concurrency 16, and the server verifies one
+    row per step, a plain decode step, after trying 2 rows (and more only while a bucket has seen too few
+    requests to rule them out); a sampled request decodes through it too."""
     stats = tmp_path / "stats.json"
     env = {"SGLANG_DFLASH_STATS_FILE": str(stats)}
     inputs, refs = sixteen_of_forty(smol["inputs"]), first_tokens(sixteen_of_forty(smol["base"]), 64)
@@ -442,7 +442,9 @@ def test_adaptive_window_is_lossless_and_falls_back_to_decoding(smol, tmp_path):
     assert len(sampled["output_ids"]) == sampled["meta_info"]["completion_tokens"] == 24
     windows = json.loads(stats.read_text())["window_histogram"]  # decode batches by rows verified
     print(f"adaptive window, random draft: decode batches by window {dict((k, n) for k, n in enumerate(windows) if n)}")
-    assert windows[1] > 0.6 * sum(windows) and windows[16] >= 1 and windows[2] >= 1
+    # each batch-size bucket (1, 2-3, 4-7, 8-15, 16) climbs at most the anchors 2, 4, 8, 16 before settling,
+    # plus a refresh of 2 every 128 steps: at most 4 × 5 + 1 steps of more than one row
+    assert windows[1] > 0.6 * sum(windows) and 1 <= sum(windows[2:]) <= 21
 
 
 def test_speculative_adaptive_with_a_window_adapts_up_to_it(smol, tmp_path):
@@ -462,7 +464,7 @@ def test_speculative_adaptive_with_a_window_adapts_up_to_it(smol, tmp_path):
     assert metrics["sglang:spec_accept_length"] >= 1 and metrics["sglang:spec_num_draft_tokens"] == 8
     assert "verify window adaptive 1-8" in log.read_text()
     windows = json.loads(stats.read_text())["window_histogram"]
-    assert len(windows) == 9 and windows[8] >= 1  # it starts with the whole window, as the adaptive policy does
+    assert len(windows) == 9 and sum(windows[2:]) >= 1  # up to 8 rows; it tries more than a plain step
 
 
 def test_tensor_parallel_2_equals_1(smol, oracle_server):
