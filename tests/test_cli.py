@@ -14,9 +14,9 @@ def test_boolean_flags_refuse_what_is_not_a_boolean(capsys):
     assert e.value.code == 2 and "'treu' is not a boolean" in capsys.readouterr().err
 
 
-def test_demo_runs_the_benchmark_with_the_shipped_draft_and_its_window(monkeypatch, tmp_path, capsys, smollm2_path):
-    """`sglang-dflash demo` is bench --launch with small settings: the shipped draft, window 4, greedy float32;
-    a --draft that is no draft stops it with a message."""
+def test_demo_runs_the_benchmark_with_the_shipped_draft(monkeypatch, tmp_path, capsys, smollm2_path):
+    """`sglang-dflash demo` is bench --launch with small settings: the shipped draft, the server's default
+    (adaptive) window, greedy, bfloat16 as users serve; a --draft that is no draft stops it with a message."""
     from sglang_dflash import bench, demo
 
     seen, lossless = [], [True]
@@ -31,10 +31,12 @@ def test_demo_runs_the_benchmark_with_the_shipped_draft_and_its_window(monkeypat
     assert main(["demo", "--target", str(smollm2_path), "--out", str(tmp_path)]) == 0
     assert seen == [bench.BenchConfig(launch=True, target=str(smollm2_path), draft=str(demo.DEFAULT_DRAFT),
                                       datasets=["gsm8k", "humaneval", "mt-bench"], num_prompts=4, concurrency=[1, 4],
-                                      max_new_tokens=96, dtype="float32", out=str(tmp_path), num_draft_tokens=4)]
-    assert "greedy outputs the server's own without speculation (identical): yes" in capsys.readouterr().out
+                                      max_new_tokens=96, dtype="bfloat16", out=str(tmp_path), num_draft_tokens=None)]
+    assert "(identical or parting at near ties (bfloat16)): yes" in capsys.readouterr().out
     lossless[0] = False
-    assert main(["demo", "--target", str(smollm2_path), "--out", str(tmp_path), "--dtype", "bfloat16"]) == 1
-    assert "(identical or parting at near ties (bfloat16)): NO" in capsys.readouterr().out
+    assert main(["demo", "--target", str(smollm2_path), "--out", str(tmp_path), "--dtype", "float32",
+                 "--num-draft-tokens", "4"]) == 1
+    assert seen[-1].dtype == "float32" and seen[-1].num_draft_tokens == 4
+    assert "greedy outputs the server's own without speculation (identical): NO" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no draft at"):
         main(["demo", "--target", str(smollm2_path), "--draft", str(tmp_path / "none")])

@@ -16,9 +16,9 @@ from sglang_dflash.ops.cpu_kernels import assign_extend_cache_locs, assign_req_t
 pytestmark = pytest.mark.unit
 
 
-def random_pool(g, bs, n, max_prefix, pool=512, width=96):
+def random_pool(g, bs, n, max_prefix, pool=512, width=96, prefix=None):
     """A req_to_token table whose requests own disjoint random slots, and their prefix lengths."""
-    prefix = torch.randint(1, max_prefix + 1, (bs,), generator=g)
+    prefix = torch.randint(1, max_prefix + 1, (bs,), generator=g) if prefix is None else torch.tensor(prefix)
     perm = torch.randperm(pool, generator=g)
     req_to_token = torch.zeros(bs + 2, width, dtype=torch.int32)
     rpi = torch.randperm(bs + 2, generator=g)[:bs]
@@ -32,10 +32,17 @@ def random_pool(g, bs, n, max_prefix, pool=512, width=96):
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("seed", range(4))
-def test_paged_block_attention_matches_per_request_sdpa(causal, seed):
+@pytest.mark.parametrize("rows", ["random", "one row, one request", "one row, spread lengths", "one row, even lengths"])
+def test_paged_block_attention_matches_per_request_sdpa(causal, seed, rows):
+    """Random shapes, and the three ways of a 1-row step: one request, lengths spread (one request at a
+    time), lengths alike (padded and masked)."""
     g = torch.Generator().manual_seed(seed)
     bs, n, h, kvh, d = int(torch.randint(1, 6, (1,), generator=g)), [1, 4, 16][seed % 3], 6, 2, 8
-    req_to_token, rpi, prefix = random_pool(g, bs, n, max_prefix=60)
+    prefix = {"random": None, "one row, one request": [int(torch.randint(1, 60, (1,), generator=g))],
+              "one row, spread lengths": [3, 60, 1, 9], "one row, even lengths": [50, 52, 49, 51]}[rows]
+    if prefix is not None:
+        bs, n = len(prefix), 1
+    req_to_token, rpi, prefix = random_pool(g, bs, n, max_prefix=60, prefix=prefix)
     k_buf, v_buf = torch.randn(512, kvh, d, generator=g), torch.randn(512, kvh, d, generator=g)
     q = torch.randn(bs * n, h, d, generator=g)
     out = paged_block_attention(q, k_buf, v_buf, req_to_token, rpi, prefix, n, 0.3, causal)
