@@ -42,11 +42,12 @@ def main():
 
     from sglang_dflash.config import draft_config_for_target
     from sglang_dflash.models.reference import DFlashDraftModel
+    from sglang_dflash.train.data import read_jsonl
     from sglang_dflash.targets import prepare_target
 
     target = prepare_target("smollm2", fixture_dir() / "smollm2")
     tok = AutoTokenizer.from_pretrained(str(target))
-    prompts = [json.loads(line)["prompt"] for line in (ROOT / "tests/data/prompts.jsonl").read_text().splitlines()]
+    prompts = [row["prompt"] for row in read_jsonl(ROOT / "tests/data/prompts.jsonl")]
     inputs = [chat_ids(tok, p) for p in prompts[: args.prompts]]
     work = Path(tempfile.mkdtemp())
     cfg = draft_config_for_target(AutoConfig.from_pretrained(str(target)), num_layers=2, mask_token_id=MASK_TOKEN["smollm2"])

@@ -42,11 +42,11 @@ REQUEST_TIMEOUT = 1800  # s: a 256-token request among 16 on a 2-core CPU in bf1
 
 
 def load_prompts(tok) -> list[list[int]]:
-    from sglang_dflash.train.data import chat_ids
+    from sglang_dflash.train.data import chat_ids, read_jsonl
 
     rows = []
     for name in ("gsm8k", "humaneval", "mt-bench"):
-        rows += [json.loads(line) for line in (ROOT / "benchmarks" / "data" / f"{name}.jsonl").read_text().splitlines()]
+        rows += read_jsonl(ROOT / "benchmarks" / "data" / f"{name}.jsonl")
     texts = [r.get("prompt") or r.get("question") or r.get("turns", [""])[0] for r in rows]
     return [chat_ids(tok, t) for t in texts if t]
 

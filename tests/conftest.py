@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -80,7 +79,9 @@ def tiny_qwen3_path() -> Path:
 
 @pytest.fixture(scope="session")
 def prompts() -> list[dict]:
-    return [json.loads(line) for line in (DATA / "prompts.jsonl").read_text().splitlines()]
+    from sglang_dflash.train.data import read_jsonl
+
+    return read_jsonl(DATA / "prompts.jsonl")
 
 
 def load_target(path: Path, dtype=torch.float32):

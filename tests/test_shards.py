@@ -36,3 +36,15 @@ def test_pack_then_load_round_trip(tmp_path):
     again = tmp_path / "again"
     work.write_text("".join(row(i) + "\n" for i in range(3)))
     assert pack_shard(work, again)[0].read_bytes() == first
+
+
+def test_lines_end_at_newlines_only(tmp_path):
+    """A response line whose JSON holds U+2028 unescaped (a text field written with ensure_ascii=False) stays
+    one line through pack and load."""
+    line = json.dumps({"id": "u", "prompt": "a\u2028b\x85c", "prompt_ids": [1], "output_ids": [2]},
+                      ensure_ascii=False)
+    work, shards = tmp_path / "responses.jsonl", tmp_path / "shards"
+    work.write_text(line + "\n", encoding="utf-8")
+    assert pack_shard(work, shards)[1:] == (1, 1)
+    fresh = tmp_path / "fresh.jsonl"
+    assert load_shards(shards, fresh) == 1 and fresh.read_text(encoding="utf-8") == line + "\n"

@@ -206,6 +206,23 @@ def test_number_variants():
 
 
 @pytest.mark.unit
+def test_jsonl_lines_end_at_newlines_only(tmp_path):
+    """A JSON string may hold U+2028, U+2029, U+0085, form feeds (gsm8k_train's row 2381 holds U+2028): they
+    are not line ends, as str.splitlines() takes them; a line that is not JSON is named by its number."""
+    from sglang_dflash.train.data import read_jsonl, read_prompts
+
+    texts = ["a\u2028b", "c\u2029d", "e\x85f\x0cg\x0bh\x1ci", "plain"]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"id": str(i), "prompt": t}, ensure_ascii=False) + "\n"
+                            for i, t in enumerate(texts)) + "\n", encoding="utf-8")
+    assert [r["prompt"] for r in read_jsonl(path)] == texts
+    assert read_prompts(path, limit=2) == [{"id": "0", "prompt": texts[0]}, {"id": "1", "prompt": texts[1]}]
+    path.write_text(path.read_text(encoding="utf-8") + "{not json\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"p\.jsonl:6: not JSON"):
+        read_jsonl(path)
+
+
+@pytest.mark.unit
 def test_a_rewritten_shard_leaves_its_hard_links_alone(tmp_path):
     """A stage's work folder starts with hard links to the stage before's shards; rebuilding a shard there (the
     last one, when the prompt count grows past it) must not change the earlier folder's copy."""

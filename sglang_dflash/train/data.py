@@ -21,13 +21,20 @@ from typing import Iterable
 import requests
 
 
+def jsonl_lines(text: str) -> list[str]:
+    """The non-empty lines of a JSONL text. Lines end at "\n" only: str.splitlines() also splits at U+2028, U+0085
+    and other characters a JSON string may hold unescaped (gsm8k_train's row 2381 holds U+2028)."""
+    return [line for line in text.split("\n") if line.strip()]
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
-    """Every row of a JSONL file ([] for a file that does not exist); a line that is not JSON is an error naming it."""
+    """Every row of a JSONL file ([] for a file that does not exist); a line that is not JSON is an error naming
+    it. Lines end at "\n" only (jsonl_lines)."""
     path = Path(path)
     if not path.exists():
         return []
     rows = []
-    for n, line in enumerate(path.read_text().splitlines()):
+    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n")):
         if line.strip():
             try:
                 rows.append(json.loads(line))

@@ -107,7 +107,7 @@ def sample(model, ids: torch.Tensor, max_tokens: int, stops: list[int], pad: int
     done = torch.zeros(n, dtype=torch.bool)
     out = torch.full((n, max_tokens), pad, dtype=torch.long)
     stop = torch.tensor(stops)
-    x, pos = ids.to(model.device), 0
+    x = ids.to(model.device)
     for t in range(max_tokens):
         logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[:, -1].float().cpu()  # [N, V]
         probs = torch.softmax(logits / temperature, dim=-1)

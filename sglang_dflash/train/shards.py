@@ -12,13 +12,15 @@ import gzip
 import json
 from pathlib import Path
 
+from sglang_dflash.train.data import jsonl_lines
+
 PATTERN = "responses-*.jsonl.gz"
 
 
 def shard_lines(shards: Path) -> list[str]:
     """Every response line of every shard in shards, in shard order."""
-    return [line for f in sorted(Path(shards).glob(PATTERN)) for line in gzip.open(f, "rt").read().splitlines()
-            if line.strip()]
+    return [line for f in sorted(Path(shards).glob(PATTERN))
+            for line in jsonl_lines(gzip.open(f, "rt", encoding="utf-8").read())]
 
 
 def _ids(lines: list[str]) -> set[str]:
@@ -29,9 +31,9 @@ def load_shards(shards: Path, work_file: Path) -> int:
     """Append to work_file (created if missing) every committed response it lacks -> how many were added."""
     work_file = Path(work_file)
     work_file.parent.mkdir(parents=True, exist_ok=True)
-    have = _ids([line for line in work_file.read_text().splitlines() if line.strip()]) if work_file.exists() else set()
+    have = _ids(jsonl_lines(work_file.read_text(encoding="utf-8"))) if work_file.exists() else set()
     new = [line for line in shard_lines(shards) if json.loads(line)["id"] not in have]
-    with open(work_file, "a") as out:
+    with open(work_file, "a", encoding="utf-8") as out:
         out.write("".join(line + "\n" for line in new))
     return len(new)
 
@@ -42,12 +44,12 @@ def pack_shard(work_file: Path, shards: Path) -> tuple[Path, int, int] | None:
     shards = Path(shards)
     shards.mkdir(parents=True, exist_ok=True)
     have = _ids(shard_lines(shards))
-    new = [line for line in Path(work_file).read_text().splitlines() if line.strip() and json.loads(line)["id"] not in have]
+    new = [line for line in jsonl_lines(Path(work_file).read_text(encoding="utf-8")) if json.loads(line)["id"] not in have]
     if not new:
         return None
     out = shards / f"responses-{len(list(shards.glob(PATTERN))) + 1:03d}.jsonl.gz"
     with open(out, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
-        f.write(("\n".join(new) + "\n").encode())
+        f.write(("\n".join(new) + "\n").encode("utf-8"))
     return out, len(new), sum(len(json.loads(line)["output_ids"]) for line in new)
 
 
