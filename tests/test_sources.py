@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sglang_dflash.train import sources
+from sglang_dflash.train.data import read_jsonl
 from sglang_dflash.train.sources import (Contamination, decontaminate, is_heldout, mix, read_json_array, resolve,
                                          sharegpt_prompts, training_prompts)
 
@@ -184,7 +185,7 @@ def test_contamination_finds_copies_and_near_copies():
 @pytest.mark.unit
 def test_training_prompts_drop_a_planted_duplicate_and_near_duplicate(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "sharegpt_available", lambda: False)  # the evaluation files only, for speed
-    bench = json.loads((sources.evaluation_sets()[0]).read_text().splitlines()[0])["prompt"]  # benchmarks/data
+    bench = read_jsonl(sources.evaluation_sets()[0])[0]["prompt"]  # benchmarks/data
     heldout = tmp_path / "mine.jsonl"
     heldout.write_text(json.dumps({"id": "m0", "prompt": EVAL[0]}) + "\n")
     train = tmp_path / "train.jsonl"
@@ -207,6 +208,13 @@ def test_training_prompts_drop_a_planted_duplicate_and_near_duplicate(tmp_path, 
     with pytest.raises(ValueError, match="every prompt is in an evaluation set"):
         training_prompts([str(only)], None)
     assert [r["id"] for r in training_prompts([str(only)], None, check=False)[0]] == ["d"]
+    # an evaluation set that is not there, or a row of it without a prompt, stops the run (it is not skipped)
+    with pytest.raises(FileNotFoundError, match="evaluation set .*missing.jsonl does not exist"):
+        training_prompts([str(train)], None, heldout_files=[str(tmp_path / "missing.jsonl")])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "b0", "prompt": "fine"}) + "\n" + json.dumps({"id": "b1", "answer": "4"}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl: row 2 has no prompt"):
+        training_prompts([str(train)], None, heldout_files=[str(bad)])
 
 
 @pytest.mark.unit

@@ -341,9 +341,14 @@ def evaluation_prompts(files: list[Path]) -> list[str]:
     from sglang_dflash.train.data import read_jsonl
 
     for path in files:
-        for row in read_jsonl(path):
-            turns = row.get("turns", [])
-            first = row.get("prompt", turns[0] if turns else None)
+        if not Path(path).is_file():  # a mistyped --heldout-sets must not switch its check off
+            raise FileNotFoundError(f"evaluation set {path} does not exist: the training prompts cannot be checked "
+                                    "against it")
+        for n, row in enumerate(read_jsonl(path)):
+            turns = row.get("turns") or []
+            first = row["prompt"] if isinstance(row.get("prompt"), str) else (turns[0] if turns else None)
+            if not isinstance(first, str):
+                raise ValueError(f"evaluation set {path}: row {n + 1} has no prompt (a 'prompt' or 'turns' field)")
             texts += [first] + [t for t in turns if t != first]
     if sharegpt_available():
         texts += [r["prompt"] for r in sharegpt_prompts(heldout=True)]
