@@ -138,6 +138,25 @@ def torch_native_forward_extend(original, self, q, k, v, layer, forward_batch, s
     return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
 
 
+def refuse_dflash(registry, hook_type, error: Exception) -> None:
+    """A setting this package cannot honour stops every DFLASH server with its message. Raising it from register()
+    would not: SGLang's load_plugins logs a plugin's exception and goes on, and its builtin DFLASH would then run
+    in place of this worker. So DFLASH's argument handling raises it (a server without DFLASH is unaffected)."""
+    message = f"sglang-dflash cannot run DFLASH: {error}"
+    logger.error(message)
+
+    def refuse_args(original, server_args):
+        raise ValueError(message)
+
+    def refuse_worker(original, self, server_args):
+        if self.is_dflash():
+            raise ValueError(message)
+        return original(self, server_args)
+
+    registry.register(HANDLE_ARGS, refuse_args, hook_type.AROUND)
+    registry.register(CREATE_WORKER, refuse_worker, hook_type.AROUND)
+
+
 def register() -> None:
     global _registered
     if _registered:
@@ -149,7 +168,12 @@ def register() -> None:
 
     # with or without DFLASH: an empty prompt or an id outside the vocabulary gets a 400, not a dead server
     HookRegistry.register(request_checks.VALIDATE_REQUEST, request_checks.validate_one_request, HookType.AROUND)
-    if use_builtin():
+    try:
+        builtin = use_builtin()
+    except ValueError as e:  # a bad SGLANG_DFLASH_* setting
+        refuse_dflash(HookRegistry, HookType, e)
+        return
+    if builtin:
         logger.warning("sglang-dflash %s: %s: SGLang's own DFLASH runs", __version__, settings().describe())
         return
     HookRegistry.register(CREATE_WORKER, create_worker, HookType.AROUND)
