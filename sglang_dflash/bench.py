@@ -159,6 +159,11 @@ def stats_figures(before: dict, after: dict, wall: float) -> dict:
     hist = [a - b for a, b in zip(after["accept_length_histogram"], before.get("accept_length_histogram", zeros))]
     out = {"accept_length_histogram": hist,  # index n: verify steps that committed n tokens (n - 1 drafts)
            "accept_rate_by_row": acceptance_by_row(hist[1:])}
+    if "accept_length_histogram_by_window" in after:  # [K][n]: each row over the steps whose window reached it
+        by_window = [[a - b for a, b in zip(row, old)] for row, old in
+                     zip(after["accept_length_histogram_by_window"],
+                         before.get("accept_length_histogram_by_window", [zeros] * len(zeros)))]
+        out["accept_rate_by_row"] = acceptance_by_row([row[1:] for row in by_window])
     if "window_histogram" in after:  # index k: decode batches that verified k rows per request
         wz = [0] * len(after["window_histogram"])
         out["window_histogram"] = [a - b for a, b in zip(after["window_histogram"],

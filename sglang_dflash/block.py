@@ -30,12 +30,30 @@ def accepted_prefix(match: torch.Tensor) -> torch.Tensor:
     return match.long().cumprod(-1).sum(-1)
 
 
-def acceptance_by_row(accepted_counts: list[int] | torch.Tensor) -> list[float | None]:
+def acceptance_by_row(accepted_counts: list | torch.Tensor) -> list[float | None]:
     """accepted_counts[a]: verify steps that accepted a drafts (a = 0 … n-1) -> for block rows k = 1 … n-1 the
-    fraction of steps that accepted at least k (None where there were no steps)."""
-    counts = [int(c) for c in accepted_counts]
-    steps = sum(counts)
-    return [sum(counts[k:]) / steps if steps else None for k in range(1, len(counts))]
+    fraction of steps that accepted at least k (None where there were no steps).
+
+    Or by window, accepted_counts[K][a] (K = 0 … n: steps that verified K rows, the bonus and K-1 drafts): row
+    k's fraction is then over the steps whose window reached it (K > k) only. A step of a shorter window (an
+    adaptive server's 1-row steps) could not accept row k, and counting it would understate the draft."""
+    if _by_window(accepted_counts):
+        by_window = [[int(c) for c in row] for row in accepted_counts]
+    else:  # every step verified every row: one window of n rows
+        counts = [int(c) for c in accepted_counts]
+        by_window = [[] for _ in counts] + [counts]
+    out = []
+    for k in range(1, len(by_window) - 1):
+        reached = by_window[k + 1:]  # the steps of windows K > k
+        steps = sum(sum(r) for r in reached)
+        out.append(sum(sum(r[k:]) for r in reached) / steps if steps else None)
+    return out
+
+
+def _by_window(counts) -> bool:
+    if isinstance(counts, torch.Tensor):
+        return counts.dim() == 2
+    return len(counts) > 0 and isinstance(counts[0], (list, tuple))
 
 
 def accepted_counts(accepted: torch.Tensor, rows: int) -> list[int]:

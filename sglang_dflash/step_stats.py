@@ -1,5 +1,6 @@
-"""What the DFLASH worker counts about its decode steps, for benchmarks: tokens committed per verify step,
-the window each decode batch verified, and (when profiling) the wall time of each step phase. Off (the
+"""What the DFLASH worker counts about its decode steps, for benchmarks: tokens committed per verify step (by
+the window verified, so that per-row acceptance counts only the steps that reached a row), the window each
+decode batch verified, and (when profiling) the wall time of each step phase. Off (the
 default) it is NO_STATS, whose phase() is a null context and record() does nothing: the step pays nothing.
 
 With the stats file setting (settings.py) the counts are kept in memory and the JSON file is rewritten after
@@ -33,7 +34,8 @@ class StepStats(NoStats):
     def __init__(self, path: str, max_window: int, device, profile: bool = False):
         self.path = path
         self.profile = profile
-        self.accept_hist = torch.zeros(max_window + 1, dtype=torch.long)  # index n: steps that committed n tokens
+        # [K, n]: request steps of window K (K rows verified) that committed n tokens (n - 1 drafts accepted)
+        self.accept_hist = torch.zeros(max_window + 1, max_window + 1, dtype=torch.long)
         self.window_hist = [0] * (max_window + 1)  # index k: decode batches that verified k rows per request
         self.decode_batches = 0
         self.phase_seconds: dict[str, float] = {}
@@ -53,12 +55,13 @@ class StepStats(NoStats):
 
     def record(self, commit_lens: torch.Tensor, K: int) -> None:
         """One decode step: commit_lens [bs] tokens committed per request, K rows verified per request."""
-        self.accept_hist += torch.bincount(commit_lens.cpu(), minlength=self.accept_hist.numel())
+        self.accept_hist[K] += torch.bincount(commit_lens.cpu(), minlength=self.accept_hist.shape[1])
         self.window_hist[K] += 1
         self.decode_batches += 1
         tmp = f"{self.path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"accept_length_histogram": self.accept_hist.tolist(), "decode_batches": self.decode_batches,
+            json.dump({"accept_length_histogram": self.accept_hist.sum(0).tolist(),
+                       "accept_length_histogram_by_window": self.accept_hist.tolist(), "decode_batches": self.decode_batches,
                        "window_histogram": self.window_hist,
                        **({"phase_seconds": self.phase_seconds} if self.profile else {})}, f)
         os.replace(tmp, self.path)

@@ -128,6 +128,14 @@ def test_stats_file_figures_and_step_profile():
     plain = bench.stats_figures({k: v for k, v in before.items() if k != "phase_seconds"},
                                 {k: v for k, v in after.items() if k != "phase_seconds"}, wall=3.0)
     assert plain["decode_batches"] == 4 and plain["accept_length_histogram"] == [0, 2, 3, 2] and "step_ms" not in plain
+    # a server with an adaptive window: each row's acceptance over the steps whose window reached it, not over
+    # the 1-row steps that verified no draft
+    windowed = lambda hist4, plain1: {"accept_length_histogram": [0, plain1 + hist4[1], *hist4[2:]],  # noqa: E731
+                                      "accept_length_histogram_by_window": [[0] * 4, [0, plain1, 0, 0], [0] * 4,
+                                                                            hist4]}
+    fig = bench.stats_figures(windowed([0, 2, 1, 0], 5), windowed([0, 4, 4, 2], 50), wall=3.0)
+    assert fig["accept_length_histogram"] == [0, 47, 3, 2]
+    assert fig["accept_rate_by_row"] == pytest.approx([5 / 7, 2 / 7])  # the 45 plain steps left out
 
 
 def test_every_bench_setting_is_a_flag_with_the_config_default():

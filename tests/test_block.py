@@ -29,3 +29,10 @@ def test_acceptance_by_row():
     assert counts == [2, 2, 1, 2]
     assert acceptance_by_row(counts) == pytest.approx([5 / 7, 3 / 7, 2 / 7])  # row k: steps accepting >= k
     assert acceptance_by_row([0, 0, 0]) == [None, None]
+    # by window: the same 7 steps of 4 rows, 10 plain decode steps (1 row) and 2 steps of 2 rows that accepted
+    # 1 and 0 drafts; row k's rate is over the steps that verified it
+    by_window = [[0] * 4, [10, 0, 0, 0], [1, 1, 0, 0], [0] * 4, counts]
+    assert acceptance_by_row(by_window) == pytest.approx([6 / 9, 3 / 7, 2 / 7])
+    assert acceptance_by_row(torch.tensor(by_window)) == pytest.approx([6 / 9, 3 / 7, 2 / 7])
+    assert acceptance_by_row([[0] * 4, [10, 0, 0, 0], [0] * 4, [0] * 4, [0] * 4]) == [None, None, None]
+    assert acceptance_by_row([[0] * 4] * 4 + [counts]) == acceptance_by_row(counts)  # one window: as above

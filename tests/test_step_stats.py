@@ -29,6 +29,7 @@ def test_on_counts_steps_and_windows_and_times_phases_only_when_profiling(tmp_pa
     stats.record(torch.tensor([1]), 1)
     written = json.loads(path.read_text())
     assert written["accept_length_histogram"] == [0, 2, 1, 0, 1]
+    assert written["accept_length_histogram_by_window"] == [[0] * 5, [0, 1, 0, 0, 0], [0] * 5, [0] * 5, [0, 1, 1, 0, 1]]
     assert written["window_histogram"] == [0, 1, 0, 0, 1] and written["decode_batches"] == 2
     if profile:
         assert written["phase_seconds"].keys() == {"verify"} and written["phase_seconds"]["verify"] >= 0
