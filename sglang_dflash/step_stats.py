@@ -61,7 +61,7 @@ class StepStats(NoStats):
         tmp = f"{self.path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump({"accept_length_histogram": self.accept_hist.sum(0).tolist(),
-                       "accept_length_histogram_by_window": self.accept_hist.tolist(), "decode_batches": self.decode_batches,
-                       "window_histogram": self.window_hist,
+                       "accept_length_histogram_by_window": self.accept_hist.tolist(),
+                       "decode_batches": self.decode_batches, "window_histogram": self.window_hist,
                        **({"phase_seconds": self.phase_seconds} if self.profile else {})}, f)
         os.replace(tmp, self.path)
