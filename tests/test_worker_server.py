@@ -442,9 +442,9 @@ def test_adaptive_window_is_lossless_and_falls_back_to_decoding(smol, tmp_path):
     assert len(sampled["output_ids"]) == sampled["meta_info"]["completion_tokens"] == 24
     windows = json.loads(stats.read_text())["window_histogram"]  # decode batches by rows verified
     print(f"adaptive window, random draft: decode batches by window {dict((k, n) for k, n in enumerate(windows) if n)}")
-    # each batch-size bucket (1, 2-3, 4-7, 8-15, 16) climbs at most the anchors 2, 4, 8, 16 before settling,
-    # plus a refresh of 2 every 128 steps: at most 4 × 5 + 1 steps of more than one row
-    assert windows[1] > 0.6 * sum(windows) and 1 <= sum(windows[2:]) <= 21
+    # each batch-size bucket (1, 2-3, 4-7, 8-15, 16) climbs from 1 to the anchors 2, 4, 8, 16, each only while it
+    # could still win, plus a refresh of 2 every 128 steps: 2 rows tried, at most 4 × 5 + 1 steps of more than one
+    assert windows[1] > 0.6 * sum(windows) and windows[2] >= 1 and sum(windows[2:]) <= 21
 
 
 def test_speculative_adaptive_with_a_window_adapts_up_to_it(smol, tmp_path):
@@ -464,7 +464,7 @@ def test_speculative_adaptive_with_a_window_adapts_up_to_it(smol, tmp_path):
     assert metrics["sglang:spec_accept_length"] >= 1 and metrics["sglang:spec_num_draft_tokens"] == 8
     assert "verify window adaptive 1-8" in log.read_text()
     windows = json.loads(stats.read_text())["window_histogram"]
-    assert len(windows) == 9 and sum(windows[2:]) >= 1  # up to 8 rows; it tries more than a plain step
+    assert len(windows) == 9 and windows[2] >= 1  # up to 8 rows; it climbs past a plain step, to 2 rows first
 
 
 def test_tensor_parallel_2_equals_1(smol, oracle_server):
