@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,8 @@ from pathlib import Path
 import requests
 
 from sglang_dflash import settings
+
+log = logging.getLogger(__name__)
 from sglang_dflash.block import acceptance_by_row
 from sglang_dflash.train.data import chat_ids, read_prompts
 
@@ -68,6 +71,10 @@ def load_prompts(name: str, num: int, dataset_path: str | None = None, from_hub:
     else:
         raise FileNotFoundError(f"dataset {name!r}: benchmarks/data/ has no {name}.jsonl; give --dataset-path "
                                 f"FILE.jsonl, or --from-hub to read {'/'.join(hub)} from the Hugging Face hub")
+    if num > len(rows):
+        log.warning("dataset %s has %d prompts, fewer than the %d asked for: all %d run%s", name, len(rows), num,
+                    len(rows), "" if dataset_path or hub is None or from_hub else
+                    " (benchmarks/data/ ships a subset; --dataset-path FILE.jsonl or --from-hub for the whole set)")
     return [{"id": r["id"], "prompt": template.format(r["prompt"])} for r in rows[:num]]
 
 
@@ -343,11 +350,24 @@ class BenchConfig:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
+FLOAT32 = ("float32", "float")  # SGLang's --dtype names for float32
+
+
 def server_dtype(url: str) -> str:
     """The dtype a running server was started with (SGLang's /server_info; 'auto' when it was not given)."""
     r = requests.get(url + "/server_info", timeout=60)
     r.raise_for_status()
     return str(r.json().get("dtype", "auto"))
+
+
+def strict_for(dtype: str) -> bool:
+    """Whether greedy outputs must be identical (float32) or may part at near ties (another dtype). A server
+    left at --dtype auto runs its model's own dtype, which the server does not report: said once, judged by
+    the near-tie rule."""
+    if dtype == "auto":
+        log.warning("the DFLASH server runs its model's own dtype (--dtype auto): greedy outputs are judged by the "
+                    "near-tie rule; start both servers with --dtype float32 to demand identical outputs")
+    return dtype in FLOAT32
 
 
 def compare(baseline_url: str, work: dict[str, list[list[int]]], results: dict, strict: bool,
@@ -399,15 +419,15 @@ def bench(args: BenchConfig) -> dict:
             results["dflash"] = bench_server(url, work, args.concurrency, sampling, stats_file, "DFLASH")
         with sglang_server(args.target, *common, env=env, log_path=str(out / "baseline-server.log"), timeout=900) as url:
             results["baseline"] = bench_server(url, work, args.concurrency, sampling, None, "baseline")
-            results["side_by_side"] = compare(url, work, results, args.dtype == "float32", args.temperature)
+            results["side_by_side"] = compare(url, work, results, strict_for(args.dtype), args.temperature)
     else:
         if not (args.baseline_url and args.dflash_url):
             raise SystemExit("give --baseline-url and --dflash-url, or --launch with --target and --draft")
+        strict = strict_for(server_dtype(args.dflash_url))  # asked first: a failure loses no run
         results["baseline"] = bench_server(args.baseline_url, work, args.concurrency, sampling, None, "baseline")
         results["dflash"] = bench_server(args.dflash_url, work, args.concurrency, sampling,
                                          args.dflash_stats_file, "DFLASH")
-        results["side_by_side"] = compare(args.baseline_url, work, results, server_dtype(args.dflash_url) == "float32",
-                                          args.temperature)
+        results["side_by_side"] = compare(args.baseline_url, work, results, strict, args.temperature)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     table = markdown(results)
     (out / "results.md").write_text(table)

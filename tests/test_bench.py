@@ -101,6 +101,20 @@ def test_shipped_subsets_load_without_reaching_for_the_network(monkeypatch):
         bench.load_prompts("math500", 4)
 
 
+def test_asking_for_more_prompts_than_a_set_has_is_said(caplog):
+    with caplog.at_level("WARNING", logger="sglang_dflash.bench"):
+        assert len(bench.load_prompts("gsm8k", 64)) == 24
+    assert "dataset gsm8k has 24 prompts, fewer than the 64 asked for: all 24 run (benchmarks/data/ ships" in caplog.text
+
+
+def test_greedy_outputs_must_be_identical_in_float32_by_either_name(caplog):
+    assert bench.strict_for("float32") and bench.strict_for("float")
+    assert not bench.strict_for("bfloat16") and not caplog.text
+    with caplog.at_level("WARNING", logger="sglang_dflash.bench"):
+        assert not bench.strict_for("auto")
+    assert "--dtype auto" in caplog.text
+
+
 def test_sharegpt_is_the_heldout_split():
     """bench's sharegpt set is the held-out split's first turns, which no training run may use."""
     from sglang_dflash.train.sources import SHAREGPT_HELDOUT, load_source
