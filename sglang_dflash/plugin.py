@@ -67,6 +67,13 @@ def handle_dflash_args(original, server_args):
                          "slots: --enable-unified-memory is not supported")
     if cfg.speculative_draft_model_path is None:
         raise ValueError("DFLASH needs --speculative-draft-model-path")
+    if cfg.speculative_eagle_topk is not None and int(cfg.speculative_eagle_topk) != 1:
+        raise ValueError(f"--speculative-eagle-topk {cfg.speculative_eagle_topk}: tree verification is not in "
+                         "sglang-dflash's DFLASH worker yet (sglang_dflash/tree.py holds its pieces); DFLASH verifies "
+                         "the draft's top-1 chain: leave the flag out or give 1")
+    if cfg.speculative_num_steps is not None and int(cfg.speculative_num_steps) != 1:
+        logger.warning("DFLASH drafts a block in one forward: --speculative-num-steps %s is EAGLE's, taken as 1",
+                       cfg.speculative_num_steps)
     if cfg.speculative_adaptive_config is not None:
         raise ValueError("--speculative-adaptive-config holds EAGLE's step counts per batch size; DFLASH's adaptive "
                          "window measures its own step times and acceptance (sglang_dflash/window.py) and takes no "

@@ -516,6 +516,7 @@ BAD_LAUNCHES = {
     "unified memory": ({}, ("--enable-unified-memory",), "--enable-unified-memory is not supported"),
     "adaptive config": ({}, ("--speculative-adaptive", "--speculative-adaptive-config", "/dev/null"),
                         "--speculative-adaptive-config holds EAGLE's step counts"),
+    "tree top-k": ({}, ("--speculative-eagle-topk", "4"), "--speculative-eagle-topk 4: tree verification is not in"),
     "missing draft": (None, (), None),  # SGLang reads the draft's config before our checks: its error names the path
 }
 
