@@ -35,7 +35,7 @@ def random_pool(g, bs, n, max_prefix, pool=512, width=96, prefix=None):
 @pytest.mark.parametrize("rows", ["random", "one row, one request", "one row, spread lengths", "one row, even lengths"])
 def test_paged_block_attention_matches_per_request_sdpa(causal, seed, rows):
     """Random shapes, and the three ways of a 1-row step: one request, lengths spread (one request at a
-    time), lengths alike (padded and masked)."""
+    time), lengths alike (padded and masked); values of another head dim than keys' (odd seeds)."""
     g = torch.Generator().manual_seed(seed)
     bs, n, h, kvh, d = int(torch.randint(1, 6, (1,), generator=g)), [1, 4, 16][seed % 3], 6, 2, 8
     prefix = {"random": None, "one row, one request": [int(torch.randint(1, 60, (1,), generator=g))],
@@ -43,7 +43,8 @@ def test_paged_block_attention_matches_per_request_sdpa(causal, seed, rows):
     if prefix is not None:
         bs, n = len(prefix), 1
     req_to_token, rpi, prefix = random_pool(g, bs, n, max_prefix=60, prefix=prefix)
-    k_buf, v_buf = torch.randn(512, kvh, d, generator=g), torch.randn(512, kvh, d, generator=g)
+    dv = [d, 12][seed % 2]
+    k_buf, v_buf = torch.randn(512, kvh, d, generator=g), torch.randn(512, kvh, dv, generator=g)
     q = torch.randn(bs * n, h, d, generator=g)
     out = paged_block_attention(q, k_buf, v_buf, req_to_token, rpi, prefix, n, 0.3, causal)
     for i in range(bs):
@@ -69,7 +70,8 @@ def test_paged_block_attention_with_a_tree_mask_matches_per_request_sdpa(seed):
     req_to_token, rpi, prefix = random_pool(g, bs, n, max_prefix=40)
     _, parents, _ = build_trees(torch.log_softmax(torch.randn(bs, 4, 10, generator=g), -1), 2, n, torch.zeros(bs))
     block_mask = torch.stack([ancestor_mask(p) for p in parents])
-    k_buf, v_buf = torch.randn(512, kvh, d, generator=g), torch.randn(512, kvh, d, generator=g)
+    dv = [d, 12][seed % 2]
+    k_buf, v_buf = torch.randn(512, kvh, d, generator=g), torch.randn(512, kvh, dv, generator=g)
     q = torch.randn(bs * n, h, d, generator=g)
     out = paged_block_attention(q, k_buf, v_buf, req_to_token, rpi, prefix, n, 0.3, True, block_mask)
     for i in range(bs):

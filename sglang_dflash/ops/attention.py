@@ -56,21 +56,22 @@ PAD_FILL = 0.6
 
 def one_row_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                       req_pool_indices: torch.Tensor, kv_lens: list[int], scaling: float) -> torch.Tensor:
-    """q [bs, h, d], one row per request seeing its kv_lens[i] keys -> out [bs, h, d], a request at a time."""
+    """q [bs, h, d], one row per request seeing its kv_lens[i] keys -> out [bs, h, dv] (dv: v_buf's head dim), a
+    request at a time."""
     h, d = q.shape[1], q.shape[2]
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape[0], h, v_buf.shape[-1])
     for i, m in enumerate(kv_lens):
         slots = req_to_token[req_pool_indices[i], :m].long()
         k, v = k_buf[slots].transpose(0, 1)[None], v_buf[slots].transpose(0, 1)[None]  # [1, kvh, m, d]
         out[i] = F.scaled_dot_product_attention(q[i].view(1, h, 1, d), k.to(q.dtype), v.to(q.dtype), scale=scaling,
-                                                enable_gqa=h != k.shape[1]).view(h, d)
+                                                enable_gqa=h != k.shape[1]).view(h, -1)
     return out
 
 
 def paged_block_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                           req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, n: int, scaling: float,
                           causal: bool, block_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """q [bs*n, h, d] of block tokens whose K/V are already in the pool -> out [bs*n, h, d].
+    """q [bs*n, h, d] of block tokens whose K/V are already in the pool -> out [bs*n, h, dv] (dv: v_buf's head dim).
 
     The block of request r sits at req_to_token[r, prefix : prefix + n]; block_mask [bs, n, n]: which block
     rows each row sees (a tree), in place of the causal rule (paged_block_mask).
@@ -89,4 +90,4 @@ def paged_block_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
     qb = q.view(bs, n, h, d).transpose(1, 2)  # [bs, h, n, d]
     out = F.scaled_dot_product_attention(qb, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling,
                                          enable_gqa=h != k.shape[1])
-    return out.transpose(1, 2).reshape(bs * n, h, d)
+    return out.transpose(1, 2).reshape(bs * n, h, -1)
