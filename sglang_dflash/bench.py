@@ -27,10 +27,10 @@ from pathlib import Path
 import requests
 
 from sglang_dflash import settings
-
-log = logging.getLogger(__name__)
 from sglang_dflash.block import acceptance_by_row
 from sglang_dflash.train.data import chat_ids, read_prompts
+
+log = logging.getLogger(__name__)
 
 REPO_DATA = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
 BOXED = "{}\nPlease reason step by step, and put your final answer within \\boxed{{}}."

@@ -44,7 +44,8 @@ def pack_shard(work_file: Path, shards: Path) -> tuple[Path, int, int] | None:
     shards = Path(shards)
     shards.mkdir(parents=True, exist_ok=True)
     have = _ids(shard_lines(shards))
-    new = [line for line in jsonl_lines(Path(work_file).read_text(encoding="utf-8")) if json.loads(line)["id"] not in have]
+    lines = jsonl_lines(Path(work_file).read_text(encoding="utf-8"))
+    new = [line for line in lines if json.loads(line)["id"] not in have]
     if not new:
         return None
     out = shards / f"responses-{len(list(shards.glob(PATTERN))) + 1:03d}.jsonl.gz"
