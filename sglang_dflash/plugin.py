@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 
-from sglang_dflash.settings import settings
+from sglang_dflash.settings import IMPL, settings
 
 logger = logging.getLogger("sglang_dflash")
 _registered = False
@@ -67,6 +67,10 @@ def handle_dflash_args(original, server_args):
                          "slots: --enable-unified-memory is not supported")
     if cfg.speculative_draft_model_path is None:
         raise ValueError("DFLASH needs --speculative-draft-model-path")
+    if cfg.enable_lora or (cfg.enable_lora is None and cfg.lora_paths):
+        raise ValueError("sglang-dflash's DFLASH worker does not run LoRA adapters (its verify and draft forwards "
+                         f"carry no adapter; untested): --enable-lora / --lora-paths are not supported. {IMPL}=builtin "
+                         "runs SGLang's own DFLASH, which does")
     if cfg.speculative_eagle_topk is not None and int(cfg.speculative_eagle_topk) != 1:
         raise ValueError(f"--speculative-eagle-topk {cfg.speculative_eagle_topk}: tree verification is not in "
                          "sglang-dflash's DFLASH worker yet (sglang_dflash/tree.py holds its pieces); DFLASH verifies "

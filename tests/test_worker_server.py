@@ -517,6 +517,8 @@ BAD_LAUNCHES = {
     "adaptive config": ({}, ("--speculative-adaptive", "--speculative-adaptive-config", "/dev/null"),
                         "--speculative-adaptive-config holds EAGLE's step counts"),
     "tree top-k": ({}, ("--speculative-eagle-topk", "4"), "--speculative-eagle-topk 4: tree verification is not in"),
+    "LoRA": ({}, ("--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all"),
+             "sglang-dflash's DFLASH worker does not run LoRA adapters"),
     "missing draft": (None, (), None),  # SGLang reads the draft's config before our checks: its error names the path
 }
 
