@@ -68,9 +68,9 @@ def handle_dflash_args(original, server_args):
     if cfg.speculative_draft_model_path is None:
         raise ValueError("DFLASH needs --speculative-draft-model-path")
     if cfg.enable_lora or (cfg.enable_lora is None and cfg.lora_paths):
-        raise ValueError("sglang-dflash's DFLASH worker does not run LoRA adapters (its verify and draft forwards "
-                         f"carry no adapter; untested): --enable-lora / --lora-paths are not supported. {IMPL}=builtin "
-                         "runs SGLang's own DFLASH, which does")
+        raise ValueError("sglang-dflash's DFLASH worker does not run LoRA adapters (its draft carries none, and its "
+                         "verify forward has never been tested with one): --enable-lora / --lora-paths are not "
+                         f"supported. {IMPL}=builtin runs SGLang's own DFLASH, which does")
     if cfg.speculative_eagle_topk is not None and int(cfg.speculative_eagle_topk) != 1:
         raise ValueError(f"--speculative-eagle-topk {cfg.speculative_eagle_topk}: tree verification is not in "
                          "sglang-dflash's DFLASH worker yet (sglang_dflash/tree.py holds its pieces); DFLASH verifies "
