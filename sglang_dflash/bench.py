@@ -209,10 +209,18 @@ def divergence(url: str, input_ids: list[int], base_ids: list[int], spec_ids: li
         "return_logprob": True, "top_logprobs_num": 5})
     r.raise_for_status()
     top = r.json()["meta_info"]["output_top_logprobs"][0]  # [(logprob, id, text)], best first
+    return {"token": j, **near_tie(top, spec_ids[j] if j < len(spec_ids) else None)}
+
+
+def near_tie(top: list, token: int | None) -> dict:
+    """The rule for a bf16 divergence, from the baseline's best candidates at the token where the outputs part,
+    top [(logprob, id, …)] best first, and DFLASH's token there (None: its output had ended) -> {gap: the
+    top-2 log-probability gap, behind: how far DFLASH's token is behind the top (None: not among them),
+    near_tie: both below NEAR_TIE}."""
     gap = top[0][0] - top[1][0]
-    ours = next((lp for lp, t, *_ in top if j < len(spec_ids) and t == spec_ids[j]), None)
+    ours = next((lp for lp, t, *_ in top if token is not None and t == token), None)
     behind = None if ours is None else top[0][0] - ours
-    return {"token": j, "gap": round(gap, 4), "behind": None if behind is None else round(behind, 4),
+    return {"gap": round(gap, 4), "behind": None if behind is None else round(behind, 4),
             "near_tie": bool(gap < NEAR_TIE and behind is not None and behind < NEAR_TIE)}
 
 

@@ -164,3 +164,15 @@ def test_every_bench_setting_is_a_flag_with_the_config_default():
     assert bench.BenchConfig.from_args(args) == bench.BenchConfig()
     cfg = bench.BenchConfig.from_args(p.parse_args(["--concurrency", "2,8", "--datasets", "sharegpt", "--from-hub"]))
     assert cfg.concurrency == [2, 8] and cfg.datasets == ["sharegpt"] and cfg.from_hub
+
+
+def test_near_tie_rule():
+    """A bf16 divergence is allowed where the baseline's top two are less than NEAR_TIE apart and DFLASH's token
+    is one of the tied (within NEAR_TIE of the top); not where it is not among the candidates or had ended."""
+    top = [(-0.60, 7, "a"), (-0.85, 9, "b"), (-1.05, 4, "c"), (-3.0, 1, "d")]
+    assert bench.near_tie(top, 9) == {"gap": 0.25, "behind": 0.25, "near_tie": True}
+    assert bench.near_tie(top, 4) == {"gap": 0.25, "behind": 0.45, "near_tie": True}  # a tie of three
+    assert not bench.near_tie(top, 1)["near_tie"]  # behind by 2.4
+    assert bench.near_tie(top, 5) == {"gap": 0.25, "behind": None, "near_tie": False}  # not a candidate
+    assert not bench.near_tie(top, None)["near_tie"]  # DFLASH's output had ended there
+    assert not bench.near_tie([(-0.1, 7, "a"), (-0.7, 9, "b")], 9)["near_tie"]  # a gap of 0.6: no tie
