@@ -98,8 +98,8 @@ def handle_dflash_args(original, server_args):
                    speculative_adaptive=adaptive, disable_overlap_schedule=True)
     # SGLang caps every speculative server at 48 running requests. A fixed window keeps that cap; an adaptive one
     # does not need it (at a large batch it verifies one row, a plain decode step), and the server then runs as
-    # many requests as it would without speculation (with the cap, bench_serving at concurrency 64 ran 48 requests
-    # at a time against the baseline's 64: benchmarks/README.md, 2026-12-05).
+    # many requests as it would without speculation (with the cap, a bench_serving run at concurrency 64 on
+    # 2026-12-05 ran 48 requests at a time against the baseline's 64; that run is not recorded in benchmarks/).
     if cfg.max_running_requests is None and not adaptive:
         decided["max_running_requests"] = 48
         logger.info("DFLASH with a fixed verify window of %d: at most 48 running requests, SGLang's setting for "
