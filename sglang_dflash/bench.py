@@ -164,13 +164,15 @@ def stats_figures(before: dict, after: dict, wall: float) -> dict:
     each phase, and the rest of the run's wall time: prefill, scheduler, HTTP)."""
     zeros = [0] * len(after["accept_length_histogram"])
     hist = [a - b for a, b in zip(after["accept_length_histogram"], before.get("accept_length_histogram", zeros))]
-    out = {"accept_length_histogram": hist,  # index n: verify steps that committed n tokens (n - 1 drafts)
-           "accept_rate_by_row": acceptance_by_row(hist[1:])}
     if "accept_length_histogram_by_window" in after:  # [K][n]: each row over the steps whose window reached it
         by_window = [[a - b for a, b in zip(row, old)] for row, old in
                      zip(after["accept_length_histogram_by_window"],
                          before.get("accept_length_histogram_by_window", [zeros] * len(zeros)))]
-        out["accept_rate_by_row"] = acceptance_by_row([row[1:] for row in by_window])
+        rates = acceptance_by_row([row[1:] for row in by_window])
+    else:  # a stats file written before the counts were kept by window
+        rates = acceptance_by_row(hist[1:])
+    out = {"accept_length_histogram": hist,  # index n: verify steps that committed n tokens (n - 1 drafts)
+           "accept_rate_by_row": rates}
     if "window_histogram" in after:  # index k: decode batches that verified k rows per request
         wz = [0] * len(after["window_histogram"])
         out["window_histogram"] = [a - b for a, b in zip(after["window_histogram"],
