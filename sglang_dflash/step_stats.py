@@ -1,6 +1,7 @@
 """What the DFLASH worker counts about its decode steps, for benchmarks: tokens committed per verify step (by
 the window verified, so that per-row acceptance counts only the steps that reached a row), the window each
-decode batch verified, and (when profiling) the wall time of each step phase. Off (the
+decode batch verified, the adaptive window's estimates (window.py, when the window is adaptive), and (when
+profiling) the wall time of each step phase. Off (the
 default) it is NO_STATS, whose phase() is a null context and record() does nothing: the step pays nothing.
 
 With the stats file setting (settings.py) the counts are kept in memory and the JSON file is rewritten after
@@ -23,7 +24,7 @@ class NoStats:
     def phase(self, name: str):
         return contextlib.nullcontext()
 
-    def record(self, commit_lens: torch.Tensor, K: int) -> None:
+    def record(self, commit_lens: torch.Tensor, K: int, window_policy=None) -> None:
         pass
 
 
@@ -53,8 +54,9 @@ class StepStats(NoStats):
         self.sync()
         self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + time.perf_counter() - t0
 
-    def record(self, commit_lens: torch.Tensor, K: int) -> None:
-        """One decode step: commit_lens [bs] tokens committed per request, K rows verified per request."""
+    def record(self, commit_lens: torch.Tensor, K: int, window_policy=None) -> None:
+        """One decode step: commit_lens [bs] tokens committed per request, K rows verified per request; the
+        adaptive window's state (window.AdaptiveWindow.summary) when it chose K."""
         self.accept_hist[K] += torch.bincount(commit_lens.cpu(), minlength=self.accept_hist.shape[1])
         self.window_hist[K] += 1
         self.decode_batches += 1
@@ -63,5 +65,6 @@ class StepStats(NoStats):
             json.dump({"accept_length_histogram": self.accept_hist.sum(0).tolist(),
                        "accept_length_histogram_by_window": self.accept_hist.tolist(),
                        "decode_batches": self.decode_batches, "window_histogram": self.window_hist,
-                       **({"phase_seconds": self.phase_seconds} if self.profile else {})}, f)
+                       **({"phase_seconds": self.phase_seconds} if self.profile else {}),
+                       **({"adaptive_window": window_policy.summary()} if window_policy is not None else {})}, f)
         os.replace(tmp, self.path)

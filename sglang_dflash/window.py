@@ -33,10 +33,21 @@ cheapest, and measures the next one only while it could still win:
     (hits + Z) / (seen + Z), and never above a row before it, since a_j cannot grow with j) and in cost
     (a step of a rows costs at least the measured T(p)). A weak draft stops the climb at 2; a strong
     one, or a device where rows are nearly free, climbs to K;
-  - every `refresh` steps of a bucket, the anchors around the chosen window (the one at or below it, and
-    the next one up, which keeps the acceptance of the rows just past the window observed) are measured
-    again, so that costs and acceptance follow the load, the prompts and the machine. At most two steps
-    in `refresh` explore; with the choice at k = 1 that is one 2-row step.
+  - every `refresh` steps of a bucket, the anchors around the chosen window (the one below it, the one at
+    or below it, and the next one up, which keeps the acceptance of the rows just past the window
+    observed) are measured again, so that costs and acceptance follow the load, the prompts and the
+    machine; an anchor among them measured only once is measured a second time after `refresh // 16`
+    steps, so that one noisy first step does not decide a bucket's window for `refresh` steps. At most
+    three steps in `refresh` explore (after the confirmations); with the choice at k = 1 that is one
+    2-row step.
+
+A step's cost changes within a bucket (its batch sizes differ by up to 2×, the sequences grow, other
+processes share the CPU), and an anchor the policy does not choose is not measured: its cost is stale. So
+an anchor's estimate forgets 1 - WEIGHT of itself for each step of its bucket since it was measured: one
+measured every step moves a quarter of the way to each new step, one re-measured after many steps takes
+the new step's cost almost whole. (With a plain moving average, a 2-row step last measured when the
+load was light looked cheaper than the plain steps of a busier moment, and was taken again and again
+while its estimate crept up a quarter at a time: 28 of 93 steps at 2 rows in one server test.)
 
 Wall times differ between tensor-parallel ranks: the worker takes rank 0's choice.
 
@@ -59,6 +70,7 @@ import time
 PRIOR = 0.5  # a_j before any step observed it
 RATE = 0.02  # the decay of older counts per newly observed request
 Z = 2.0  # the upper confidence bound of a_j counts Z more requests that all accepted
+WEIGHT = 0.25  # a new step's share in an anchor's cost estimate measured one step before
 
 
 @dataclasses.dataclass
@@ -66,6 +78,8 @@ class Bucket:
     """Measured step seconds at the anchors of one batch-size bucket, and when each was measured."""
     seconds: dict[int, float] = dataclasses.field(default_factory=dict)  # anchor k -> moving average
     measured_at: dict[int, int] = dataclasses.field(default_factory=dict)  # anchor k -> bucket step count
+    samples: dict[int, int] = dataclasses.field(default_factory=dict)  # anchor k -> steps measured
+    chosen: dict[int, int] = dataclasses.field(default_factory=dict)  # window k -> steps that chose it
     steps: int = 0
 
 
@@ -74,6 +88,7 @@ class AdaptiveWindow:
         assert max_window >= 2
         self.K = max_window
         self.refresh = refresh
+        self.confirm = max(1, refresh // 16)  # an anchor measured once is measured again this many steps later
         self.anchors_only = anchors_only  # choose among measured anchors only (CUDA graphs: see above)
         powers = {1 << i for i in range(max_window.bit_length()) if 1 << i < max_window}
         self.anchors = sorted(powers | {max_window})  # 1, 2, 4, …, K: climbed from the cheapest
@@ -119,27 +134,50 @@ class AdaptiveWindow:
         return (max(a for a in self.anchors if a < k) in bucket.seconds
                 and min(a for a in self.anchors if a > k) in bucket.seconds)
 
+    def best(self, bucket: Bucket) -> int:
+        """The measured (or interpolated) window of a bucket expected to commit the most tokens per second."""
+        top = max(a for a in self.anchors if a in bucket.seconds)
+        windows = [a for a in self.anchors if a in bucket.seconds] if self.anchors_only else \
+            [k for k in range(1, top + 1) if self.priced(bucket, k)]
+        return max(windows, key=lambda k: self.expected_tokens(k) / self.step_seconds(bucket, k))
+
     def choose(self, batch_size: int) -> int:
         """The window of the next decode step at this batch size."""
         bucket = self.buckets.setdefault(self.bucket_of(batch_size), Bucket())
         bucket.steps += 1
+        k = self.next_window(bucket)
+        bucket.chosen[k] = bucket.chosen.get(k, 0) + 1
+        return k
+
+    def next_window(self, bucket: Bucket) -> int:
+        """The best window of the bucket, or an anchor to climb to or to measure again."""
         measured = [a for a in self.anchors if a in bucket.seconds]  # climbed from 1: 1, 2, 4, … up to some top
         if not measured:
             return 1
-        top = measured[-1]
-        windows = measured if self.anchors_only else [k for k in range(1, top + 1) if self.priced(bucket, k)]
-        best = max(windows, key=lambda k: self.expected_tokens(k) / self.step_seconds(bucket, k))
+        best = self.best(bucket)
         best_value = self.expected_tokens(best) / self.step_seconds(bucket, best)
-        if top < self.K:  # climb to the next anchor while it could still win
-            nxt = min(a for a in self.anchors if a > top)
-            if self.optimistic_tokens(nxt) / bucket.seconds[top] > best_value:
+        if measured[-1] < self.K:  # climb to the next anchor while it could still win
+            nxt = min(a for a in self.anchors if a > measured[-1])
+            if self.optimistic_tokens(nxt) / bucket.seconds[measured[-1]] > best_value:
                 return nxt
-        lo = max(a for a in measured if a <= best)
-        around = [lo] + measured[measured.index(lo) + 1: measured.index(lo) + 2]  # and the next one up
-        for k in around:
-            if bucket.steps - bucket.measured_at[k] > self.refresh:
+        i = measured.index(max(a for a in measured if a <= best))
+        for k in measured[max(i - 1, 0): i + 2]:  # the anchor below the choice's, the choice's, the next one up
+            if bucket.steps - bucket.measured_at[k] > (self.refresh if bucket.samples[k] > 1 else self.confirm):
                 return k
         return best
+
+    def summary(self) -> dict:
+        """What the policy knows, for the stats file: a_j, and per batch-size bucket its steps, each measured
+        anchor's estimated step seconds and times measured, the windows it chose, and the window it would choose
+        now, exploring aside."""
+        buckets = {}
+        for b, bucket in sorted(self.buckets.items()):
+            if bucket.seconds:
+                buckets[f"{1 << (b - 1)}-{(1 << b) - 1}"] = {
+                    "steps": bucket.steps, "best": self.best(bucket),
+                    "seconds": {k: round(t, 6) for k, t in sorted(bucket.seconds.items())},
+                    "samples": dict(sorted(bucket.samples.items())), "chosen": dict(sorted(bucket.chosen.items()))}
+        return {"accept_rate": [round(a, 4) for a in self.accept_rate], "buckets": buckets}
 
     # The step clock. A decode step's wall time runs from its start to the start of the scheduler's next
     # forward, so that it includes the scheduler's own share of the step; hence two calls: start_step when
@@ -160,9 +198,11 @@ class AdaptiveWindow:
             return
         bucket = self.buckets.setdefault(self.bucket_of(batch_size), Bucket())
         old = bucket.seconds.get(k)
-        # a re-measured anchor moves a quarter of the way: one noisy step does not swing the choice
-        bucket.seconds[k] = seconds if old is None else old + 0.25 * (seconds - old)
+        # the estimate forgets 1 - WEIGHT of itself per bucket step since it was measured (see the docstring)
+        weight = 1.0 if old is None else 1 - (1 - WEIGHT) ** max(1, bucket.steps - bucket.measured_at[k])
+        bucket.seconds[k] = seconds if old is None else old + weight * (seconds - old)
         bucket.measured_at[k] = bucket.steps
+        bucket.samples[k] = bucket.samples.get(k, 0) + 1
 
     def observe_accepts(self, accept_lens: list[int], k: int) -> None:
         """Drafts accepted per request in a step of window k (each 0 … k-1): updates a_1 … a_{k-1}."""

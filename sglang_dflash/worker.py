@@ -149,7 +149,7 @@ class DFlashWorker(SGLangSpecWorker):
             self.commit(features, positions, slots, commit_lens)
         if self.adaptive is not None:
             self.adaptive.observe_accepts(accept_len.tolist(), K)
-        self.stats.record(commit_lens, K)
+        self.stats.record(commit_lens, K, self.adaptive)
 
         # [bs, K]: row i emits out_tokens[i, :commit_lens[i]] (its accepted drafts, then next_token)
         out_tokens = torch.cat([draft_tokens, next_token[:, None]], dim=1)

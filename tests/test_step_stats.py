@@ -53,3 +53,20 @@ def test_the_step_clock_times_decode_steps_only(monkeypatch):
     policy.end_step(next_is_decode=False)  # a prefill came next: its work would be counted, so nothing is
     policy.end_step(next_is_decode=True)  # and nothing is pending any more
     assert policy.buckets[AdaptiveWindow.bucket_of(4)].seconds == {8: 0.25}
+
+
+def test_an_adaptive_window_writes_what_it_knows(tmp_path):
+    """With an adaptive window the file carries the policy's state: a_j, and per batch-size bucket the
+    measured anchors' step seconds and the window it would choose (what a bench or a test reads to see
+    why a bucket chose its window)."""
+    path = tmp_path / "stats.json"
+    stats, policy = StepStats(str(path), max_window=4, device="cpu"), AdaptiveWindow(4)
+    for k, seconds in ((1, 0.1), (2, 0.3)):
+        assert policy.choose(5) == k
+        policy.observe_accepts([0] * 5, k)
+        policy.observe_step(5, k, seconds)
+        stats.record(torch.ones(5, dtype=torch.long), k, policy)
+    written = json.loads(path.read_text())["adaptive_window"]
+    assert written["buckets"] == {"4-7": {"steps": 2, "best": 1, "seconds": {"1": 0.1, "2": 0.3},
+                                          "samples": {"1": 1, "2": 1}, "chosen": {"1": 1, "2": 1}}}
+    assert written["accept_rate"][0] == 1.0 and written["accept_rate"][1] < 0.1

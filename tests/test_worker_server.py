@@ -437,11 +437,20 @@ def test_adaptive_window_is_lossless_and_falls_back_to_decoding(smol, tmp_path):
     assert "verify window adaptive 1-16" in log.read_text()  # the choice made for the user, in its start-up line
     assert_same(outs, refs, "adaptive window")
     assert len(sampled["output_ids"]) == sampled["meta_info"]["completion_tokens"] == 24
-    windows = json.loads(stats.read_text())["window_histogram"]  # decode batches by rows verified
-    print(f"adaptive window, random draft: decode batches by window {dict((k, n) for k, n in enumerate(windows) if n)}")
-    # each batch-size bucket (1, 2-3, 4-7, 8-15, 16) climbs from 1 to the anchors 2, 4, 8, 16, each only while it
-    # could still win, plus a refresh of 2 every 128 steps: 2 rows tried, at most 4 × 5 + 1 steps of more than one
-    assert windows[1] > 0.6 * sum(windows) and windows[2] >= 1 and sum(windows[2:]) <= 21
+    written = json.loads(stats.read_text())
+    windows, buckets = written["window_histogram"], written["adaptive_window"]["buckets"]  # decode batches by rows
+    print(f"adaptive window, random draft: decode batches by window {dict((k, n) for k, n in enumerate(windows) if n)}"
+          f"; by bucket {buckets}")
+    # Where a 2-row step costs more than a plain one (1.4-1.8 times in every bucket of 8 or more requests on this
+    # CPU), the bucket settles on plain decoding: it climbs from 1 to the anchors 2, 4, 8, 16 only while one
+    # could still win, and measures the anchors around its choice once more (none runs `refresh` = 128 steps
+    # here), at most 4 + 2 steps of more than one row. (With one request a 2-row step costs what a plain one
+    # does, within 1 %: the choice there is a tie, either way as fast.)
+    costly = {name: b for name, b in buckets.items() if b["seconds"].get("2", 0) > 1.2 * b["seconds"]["1"]}
+    assert costly.keys() >= {"8-15", "16-31"}, buckets
+    for name, b in costly.items():
+        assert b["best"] == 1 and sum(n for k, n in b["chosen"].items() if k != "1") <= 6, (name, b)
+    assert windows[1] > 0.6 * sum(windows) and windows[2] >= 1, windows
 
 
 def test_speculative_adaptive_with_a_window_adapts_up_to_it(smol, tmp_path):
