@@ -130,22 +130,29 @@ def max_draft_tokens(original, self, server_args):
 
 
 def torch_native_forward_extend(original, self, q, k, v, layer, forward_batch, save_kv_cache=True):
-    """TARGET_VERIFY on torch_native: only the block's queries, against prefix + block."""
+    """TARGET_VERIFY on torch_native: only the block's queries, against prefix + block (causal, or a tree's
+    ancestor masks when the verify input carries them: tree.TREE_MASK_ATTR)."""
     if not forward_batch.forward_mode.is_target_verify():
         return original(self, q, k, v, layer, forward_batch, save_kv_cache)
     from sglang.srt.layers.radix_attention import AttentionType
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
     from sglang_dflash.ops.attention import paged_block_attention
+    from sglang_dflash.tree import TREE_MASK_ATTR
 
     if save_kv_cache and k is not None and v is not None:
         self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
     causal = not (layer.is_cross_attention or layer.attn_type == AttentionType.ENCODER_ONLY)
+    n = q.shape[0] // forward_batch.batch_size
+    block_mask = getattr(forward_batch.spec_info, TREE_MASK_ATTR, None)  # [bs, n, n] in a tree's verify, else None
+    if block_mask is not None and tuple(block_mask.shape) != (forward_batch.batch_size, n, n):
+        raise ValueError(f"a tree verify mask of shape {tuple(block_mask.shape)} for {forward_batch.batch_size} "
+                         f"requests of {n} rows")
     out = paged_block_attention(
         q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
         self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-        self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
-        q.shape[0] // forward_batch.batch_size, layer.scaling, causal)
+        self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens, n,
+        layer.scaling, causal, block_mask)
     return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
 
 

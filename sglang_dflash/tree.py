@@ -22,9 +22,20 @@ For a batch of bs requests with one node budget N (the verify forward's rows per
     build_trees(logprobs [bs, D, V], k, N)            tokens, parents, depths [bs, N] (root tokens: the bonus)
     tree_verify_mask(parents, prefix_lens, L)         [bs, 1, N, L]: node i sees the committed prefix and its
                                                       ancestors in the block, which sits at prefix … prefix+N-1
-    keep_path_slots(slots [bs, N], paths)             the accepted nodes' KV slots in path order (they become
-                                                      positions prefix, prefix + 1, …: no KV is copied), and
-                                                      the slots of the other nodes, to free
+    flat_verify_mask(parents, prefix_lens)            the same as SGLang's verify custom_mask (what its CUDA
+                                                      attention backends read): flat, per request [N, prefix+N]
+    TREE_MASK_ATTR                                    the verify input's attribute that carries the ancestor
+                                                      masks [bs, N, N] to the CPU engine's verify attention
+    accept_trees_greedy(tokens, parents, target_next) accept_tree_greedy for the batch at once
+    path_order(paths, N)                              [bs, N]: the accepted path's nodes in order, then the
+                                                      others: where each node's KV slot goes in req_to_token
+
+The accepted path's K/V stays where the verify wrote it (page size 1): the window's req_to_token entries
+prefix … prefix+N-1 are permuted by path_order, so that position prefix + j holds the slot of the path's
+j-th node. The other nodes' slots stay in the row, after the path, as the chain's unaccepted rows do: the
+next step's block reuses them and the request's release frees them, once (freeing them here would free
+them twice). With pages of more than one slot a row must stay page-aligned, so there the path's K/V is
+copied to the slots of positions prefix … prefix + len(path) - 1 instead (not written yet).
 
 Sampling: at the current node draw x from the target's distribution p there; if a child holds x, move to it
 and go on, else x is the next token and the walk ends. That is recursive rejection over the children with
@@ -40,6 +51,12 @@ import dataclasses
 import heapq
 
 import torch
+
+# The DFLASH verify input (SGLang's DFlashVerifyInput) carries a tree's ancestor masks [bs, N, N] in this attribute
+# to plugin.torch_native_forward_extend, the CPU engine's verify attention. Its custom_mask (flat_verify_mask) is
+# for SGLang's CUDA backends; the CPU hook does not read custom_mask, which SGLang itself may set (padded, for
+# CUDA graphs) on paths this worker does not take.
+TREE_MASK_ATTR = "dflash_tree_mask"
 
 
 @dataclasses.dataclass
@@ -150,15 +167,53 @@ def tree_verify_mask(parents: torch.Tensor, prefix_lens: torch.Tensor, max_len: 
     return paged_block_mask(prefix_lens, parents.shape[1], max_len, causal=True, block_mask=anc)
 
 
-def keep_path_slots(slots: torch.Tensor, paths: list[list[int]]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """slots [bs, N]: the KV slot each node was verified in (node m at position prefix + m of the request's
-    req_to_token row); paths: each request's accepted nodes, root first -> (per request the slots of its path in
-    order, which req_to_token[prefix : prefix + len(path)] takes, so the accepted K/V stays where it was
-    written; the slots of every other node [total], to free)."""
-    kept, dropped = [], []
-    for row, path in zip(slots, paths):
-        keep = torch.zeros(row.numel(), dtype=torch.bool, device=row.device)
-        keep[path] = True
-        kept.append(row[path])
-        dropped.append(row[~keep])
-    return kept, torch.cat(dropped) if dropped else slots.new_empty(0)
+def flat_verify_mask(parents: torch.Tensor, prefix_lens: torch.Tensor) -> torch.Tensor:
+    """parents [bs, N], prefix_lens [bs] -> the verify forward's custom_mask as SGLang's attention backends read
+    it (DFlashVerifyInput / EagleVerifyInput): flat bool, the requests in batch order, each a row-major
+    [N queries, prefix + N keys] with the prefix's columns first: tree_verify_mask's entries of each request's
+    own key columns."""
+    N = parents.shape[1]
+    L = int(prefix_lens.max()) + N
+    dense = tree_verify_mask(parents, prefix_lens, L)[:, 0]  # [bs, N, L]
+    own = torch.arange(L, device=parents.device)[None, :] < (prefix_lens.long() + N)[:, None]  # [bs, L]
+    return dense[own[:, None, :].expand(-1, N, -1)]
+
+
+def accept_trees_greedy(tokens: torch.Tensor, parents: torch.Tensor, target_next: torch.Tensor):
+    """tokens, parents, target_next [bs, N] (target_next: the target's greedy token after each node) -> (paths
+    [bs, D + 1]: the accepted path's nodes, root first, padded with its last node; accept_len [bs]: the drafts
+    accepted, the path's length - 1; next_token [bs]: the target's token after the path). accept_tree_greedy for
+    every request at once: a node is accepted when it and each of its ancestors below the root hold the target's
+    token after their parent. Siblings hold distinct tokens (distinct ranks of one row), so the accepted nodes
+    form one path, and its deepest node is the one with the most accepted ancestors."""
+    bs = tokens.shape[0]
+    root = parents.clamp(min=0)
+    match = tokens == target_next.gather(1, root)  # [bs, N]: the node holds the target's choice after its parent
+    match[:, 0] = True
+    anc = torch.stack([ancestor_mask(row) for row in parents])  # [bs, N, N]: node i sees ancestor-or-self j
+    accepted = ~(anc & ~match[:, None, :]).any(-1)  # [bs, N]: every ancestor-or-self matches
+    depth = anc.sum(-1) - 1  # [bs, N]
+    accept_len, last = torch.where(accepted, depth, -1).max(dim=1)  # the deepest accepted node
+    on_path = anc[torch.arange(bs), last]  # [bs, N]: the last node's ancestors-or-self
+    D = int(depth.max())
+    order = torch.where(on_path, depth, D + 1).argsort(dim=1)[:, : D + 1]  # nodes by depth, path first
+    pos = torch.arange(D + 1, device=tokens.device)[None, :]
+    paths = torch.where(pos <= accept_len[:, None], order, last[:, None])
+    return paths, accept_len, target_next.gather(1, last[:, None])[:, 0]
+
+
+def path_order(paths: torch.Tensor, accept_len: torch.Tensor, n: int) -> torch.Tensor:
+    """paths [bs, D + 1] (accept_trees_greedy's), accept_len [bs] -> [bs, n]: a permutation of each request's
+    nodes, its path's nodes first in path order, then the other nodes in their own order. Position prefix + j
+    of the request's req_to_token row takes the slot node order[j] was verified in (page size 1: no K/V moves;
+    the other slots stay in the row for the next step)."""
+    bs = paths.shape[0]
+    node = torch.arange(n, device=paths.device)
+    on_path = torch.zeros(bs, n, dtype=torch.bool, device=paths.device)
+    valid = torch.arange(paths.shape[1], device=paths.device)[None, :] <= accept_len[:, None]
+    on_path.scatter_(1, torch.where(valid, paths, paths[:, :1]), True)
+    key = torch.full((bs, n), 0, dtype=torch.long, device=paths.device)
+    key.scatter_(1, torch.where(valid, paths, paths[:, :1]),
+                 torch.where(valid, torch.arange(paths.shape[1], device=paths.device)[None, :], 0).expand(bs, -1))
+    key = torch.where(on_path, key, n + node[None, :])  # path nodes by their place on the path, the rest after
+    return key.argsort(dim=1)

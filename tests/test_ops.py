@@ -175,3 +175,48 @@ def test_filtered_probs_matches_sglang_sampler(case):
     torch.testing.assert_close(ours, theirs)
     if top_ks[3] == 1:
         assert torch.equal(ours[3] > 0, F.one_hot(logits[3].argmax(), V).bool())  # top_k 1 is greedy
+
+
+@pytest.mark.parametrize("with_tree", [False, True])
+def test_the_torch_native_verify_hook_applies_a_trees_mask(with_tree):
+    """plugin.torch_native_forward_extend (TARGET_VERIFY on the CPU engine): with the tree's ancestor masks on
+    the verify input (tree.TREE_MASK_ATTR) each node attends over the prefix and its ancestors; without them,
+    the causal block, whatever custom_mask SGLang put on the input (here a padded all-True one, as its CUDA
+    graph buffers hold); a mask of the wrong shape is an error."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    from sglang_dflash.plugin import torch_native_forward_extend
+    from sglang_dflash.tree import TREE_MASK_ATTR, ancestor_mask, build_trees
+
+    g = torch.Generator().manual_seed(5)
+    bs, n, h, kvh, d = 3, 6, 4, 2, 8
+    req_to_token, rpi, prefix = random_pool(g, bs, n, max_prefix=30)
+    _, parents, _ = build_trees(torch.log_softmax(torch.randn(bs, 4, 10, generator=g), -1), 2, n, torch.zeros(bs))
+    if not with_tree:
+        parents = torch.arange(-1, n - 1).expand(bs, -1)  # the chain: each row's parent is the row before
+    k_buf, v_buf = torch.randn(512, kvh, d, generator=g), torch.randn(512, kvh, d, generator=g)
+    pool = SimpleNamespace(get_key_buffer=lambda i: k_buf, get_value_buffer=lambda i: v_buf)
+    backend = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=req_to_token))
+    layer = SimpleNamespace(tp_q_head_num=h, qk_head_dim=d, v_head_dim=d, scaling=0.3, layer_id=0,
+                            is_cross_attention=False, attn_type=AttentionType.DECODER)
+    spec = SimpleNamespace(custom_mask=torch.ones(1000, dtype=torch.bool))
+    if with_tree:
+        setattr(spec, TREE_MASK_ATTR, torch.stack([ancestor_mask(p) for p in parents]))
+    fb = SimpleNamespace(forward_mode=SimpleNamespace(is_target_verify=lambda: True), spec_info=spec,
+                         seq_lens=prefix, req_pool_indices=rpi, batch_size=bs)
+    q = torch.randn(bs * n, h * d, generator=g)
+    out = torch_native_forward_extend(None, backend, q, None, None, layer, fb, save_kv_cache=False).view(bs * n, h, d)
+    for i in range(bs):
+        P = int(prefix[i])
+        slots = req_to_token[rpi[i], :P + n].long()
+        k = k_buf[slots].repeat_interleave(h // kvh, 1).transpose(0, 1)
+        v = v_buf[slots].repeat_interleave(h // kvh, 1).transpose(0, 1)
+        mask = torch.cat([torch.ones(n, P, dtype=torch.bool), ancestor_mask(parents[i])], dim=1)
+        ref = F.scaled_dot_product_attention(q[i * n:(i + 1) * n].view(n, h, d).transpose(0, 1), k, v,
+                                             attn_mask=mask, scale=0.3).transpose(0, 1)
+        torch.testing.assert_close(out[i * n:(i + 1) * n], ref, atol=1e-5, rtol=1e-5)
+    setattr(spec, TREE_MASK_ATTR, torch.ones(bs, n - 1, n - 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="a tree verify mask of shape"):
+        torch_native_forward_extend(None, backend, q, None, None, layer, fb, save_kv_cache=False)

@@ -160,11 +160,64 @@ def test_a_chain_tree_masks_as_the_causal_block():
     assert torch.equal(tree_verify_mask(parents, prefix, 16), paged_block_mask(prefix, 5, 16, causal=True))
 
 
-def test_the_accepted_path_keeps_its_slots_in_order_and_frees_the_rest():
-    from sglang_dflash.tree import keep_path_slots
+def random_tree_batch(seed: int, bs: int = 4, D: int = 4, V: int = 9, k: int = 2, N: int = 10):
+    g = torch.Generator().manual_seed(seed)
+    from sglang_dflash.tree import build_trees
 
-    slots = torch.tensor([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]])
-    kept, freed = keep_path_slots(slots, [[0, 2, 4], [0]])
-    assert [k.tolist() for k in kept] == [[10, 12, 14], [20]]
-    assert sorted(freed.tolist()) == [11, 13, 21, 22, 23, 24]
-    assert sorted(freed.tolist() + [s for k in kept for s in k.tolist()]) == sorted(slots.flatten().tolist())
+    return build_trees(torch.log_softmax(torch.randn(bs, D, V, generator=g), -1), k, N,
+                       torch.randint(0, V, (bs,), generator=g)), g
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_flat_verify_mask_is_sglangs_layout(seed):
+    """flat_verify_mask: per request a row-major [N, prefix + N] block, prefix columns first, as SGLang's
+    verify custom_mask (its size check: sum of prefixes × N + N² × bs)."""
+    from sglang_dflash.tree import flat_verify_mask
+
+    (_, parents, _), g = random_tree_batch(seed)
+    bs, N = parents.shape
+    prefix = torch.randint(0, 12, (bs,), generator=g)
+    flat = flat_verify_mask(parents, prefix)
+    want = torch.cat([torch.cat([torch.ones(N, int(p), dtype=torch.bool), ancestor_mask(row)], 1).flatten()
+                      for row, p in zip(parents, prefix)])
+    assert flat.dtype == torch.bool and flat.numel() == int(prefix.sum()) * N + N * N * bs and torch.equal(flat, want)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_greedy_acceptance_of_a_batch_of_trees_is_each_trees_walk(seed):
+    """accept_trees_greedy at once == accept_tree_greedy request by request, with target choices that follow
+    the tree for a few levels (a first-choice child, a second-choice one) and then leave it."""
+    from sglang_dflash.tree import Tree, accept_trees_greedy
+
+    (tokens, parents, depths), g = random_tree_batch(seed, bs=5, N=12)
+    bs, N = tokens.shape
+    target_next = torch.randint(0, 9, (bs, N), generator=g)
+    for r in range(bs):  # walk down a random child chain and make the target choose it
+        node = 0
+        for _ in range(int(torch.randint(0, 5, (1,), generator=g))):
+            kids = (parents[r] == node).nonzero().flatten()
+            if kids.numel() == 0:
+                break
+            node = int(kids[torch.randint(0, kids.numel(), (1,), generator=g)])
+            target_next[r, int(parents[r, node])] = tokens[r, node]
+    paths, accept_len, next_token = accept_trees_greedy(tokens, parents, target_next)
+    for r in range(bs):
+        tree = Tree(tokens[r], parents[r], depths[r], torch.zeros(N))
+        path, nxt = accept_tree_greedy(tree, target_next[r])
+        assert accept_len[r] == len(path) - 1 and next_token[r] == nxt, r
+        assert paths[r].tolist() == path + [path[-1]] * (paths.shape[1] - len(path)), r
+
+
+def test_the_accepted_path_takes_the_first_positions_and_every_slot_stays_in_the_row():
+    """path_order: the accepted nodes' slots go to positions prefix, prefix + 1, … in path order (their K/V
+    stays where the verify wrote it), and the other nodes' slots follow, none dropped: the row still owns each
+    slot once, for the next step's block and the request's release (which frees them, once)."""
+    from sglang_dflash.tree import path_order
+
+    slots = torch.tensor([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24], [30, 31, 32, 33, 34]])
+    paths = torch.tensor([[0, 2, 4], [0, 0, 0], [0, 1, 3]])
+    order = path_order(paths, torch.tensor([2, 0, 2]), 5)
+    assert order.tolist() == [[0, 2, 4, 1, 3], [0, 1, 2, 3, 4], [0, 1, 3, 2, 4]]
+    window = slots.gather(1, order)  # what req_to_token[prefix : prefix + N] holds after the step
+    assert window[:, :3].tolist() == [[10, 12, 14], [20, 21, 22], [30, 31, 33]]
+    assert all(sorted(w) == sorted(s) for w, s in zip(window.tolist(), slots.tolist()))

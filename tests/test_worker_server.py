@@ -439,7 +439,7 @@ def test_adaptive_window_is_lossless_and_falls_back_to_decoding(smol, tmp_path):
     assert len(sampled["output_ids"]) == sampled["meta_info"]["completion_tokens"] == 24
     written = json.loads(stats.read_text())
     windows, buckets = written["window_histogram"], written["adaptive_window"]["buckets"]  # decode batches by rows
-    print(f"adaptive window, random draft: decode batches by window {dict((k, n) for k, n in enumerate(windows) if n)}"
+    print(f"adaptive window, random draft: decode batches by window { {k: n for k, n in enumerate(windows) if n} }"
           f"; by bucket {buckets}")
     # Where a 2-row step costs more than a plain one (1.4-1.8 times in every bucket of 8 or more requests on this
     # CPU), the bucket settles on plain decoding: it climbs from 1 to the anchors 2, 4, 8, 16 only while one
