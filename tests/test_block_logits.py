@@ -90,7 +90,8 @@ def test_penalties_equal_sglangs_penalizers_row_by_row(params, seed):
     logits = torch.randn(B, V, generator=g) * 3
     req = fake_req(output, **params)
     ours = logits.clone()
-    penalize(ours, output, drafts, req.sampling_params, stop_token_ids(req))
+    penalize(ours, output, torch.cat([torch.tensor([0]), drafts]), torch.arange(-1, B - 1), req.sampling_params,
+             stop_token_ids(req))
     for j in range(B):
         ref = sglang_row_logits(req, logits[j], prompt, output + drafts[:j].tolist())
         assert torch.equal(ours[j], ref), f"row {j}: {params}"
@@ -172,4 +173,68 @@ def test_grammar_rows_follow_the_drafts_and_the_grammar_is_rolled_back(json_gram
     assert logits[0, bad_at, drafts[bad_at]] == float("-inf")  # the forbidden draft can never be accepted
     assert (logits[0, bad_at + 1:] == 0).all()  # rows after it are never emitted: left unconstrained
     assert grammar.accepted_tokens == []  # rolled back to where the scheduler left it
+    grammar.accept_token(good[0])
+
+
+def tree_path(parents: list[int], m: int) -> list[int]:
+    """The nodes from the root's child down to m (the root, the bonus token, is already output)."""
+    path = []
+    while m > 0:
+        path.append(m)
+        m = parents[m]
+    return path[::-1]
+
+
+TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 3, 3, 6]  # node 0 the root; two children of 0, of 1, of 3; depth up to 4
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+@pytest.mark.parametrize("seed", range(3))
+def test_a_trees_rows_get_sglangs_penalties_for_their_own_paths(params, seed):
+    """A tree's node m: the penalties SGLang applies after the output [committed, the tokens on m's path]."""
+    g = torch.Generator().manual_seed(seed)
+    N = len(TREE_PARENTS)
+    output = torch.randint(0, 12, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+    tokens = torch.randint(0, 12, (N,), generator=g)
+    prompt = torch.randint(0, 16, (20,), generator=g).tolist()
+    logits = torch.randn(N, V, generator=g) * 3
+    req = fake_req(output, **params)
+    ours = logits.clone()
+    penalize(ours, output, tokens, torch.tensor(TREE_PARENTS), req.sampling_params, stop_token_ids(req))
+    for m in range(N):
+        path_tokens = tokens[tree_path(TREE_PARENTS, m)].tolist()
+        assert torch.equal(ours[m], sglang_row_logits(req, logits[m], prompt, output + path_tokens)), (m, params)
+
+
+def test_a_trees_grammar_rows_follow_their_own_paths(json_grammar):
+    """Each node's row: the mask of a fresh grammar stepped along the node's path; a node whose token the
+    grammar forbids is masked at its parent's row, and the rows below it are left unconstrained; the grammar
+    is rolled back to where the scheduler left it."""
+    tok, make = json_grammar
+    vocab = len(tok)
+    good = tok.encode('{"n": 12}', add_special_tokens=False)
+    x = tok.encode("x", add_special_tokens=False)[0]
+    # the root (bonus, already output); 1, 2: good[0] and a forbidden x; 3, 4 under 1: good[1] and x; 5 under 2
+    # (below a forbidden token); 6, 7 under 3: good[2] and x
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3]
+    tokens = [0, good[0], x, good[1], x, good[1], good[2], x]
+    grammar = make()
+    req = fake_req([])
+    req.grammar = grammar
+    batch = SimpleNamespace(reqs=[req], has_grammar=True,
+                            sampling_info=SimpleNamespace(logit_bias=None, has_custom_logit_processor=False))
+    logits = torch.zeros(1, len(parents), vocab)
+    apply_rules(logits, torch.tensor([tokens]), batch, torch.tensor([parents]))
+    for m in (0, 1, 3, 6):  # the nodes every token of whose path the grammar allows
+        ref = make()
+        for t in tree_path(parents, m):
+            ref.accept_token(tokens[t])
+        row = ref.allocate_vocab_mask(vocab_size=vocab, batch_size=1, device="cpu")
+        ref.fill_vocab_mask(row, 0)
+        expect = torch.zeros(1, vocab)
+        ref.apply_vocab_mask(expect, row)
+        assert torch.equal(logits[0, m], expect[0]), f"node {m}"
+    assert all(logits[0, m, x] == float("-inf") for m in (0, 1, 3))  # 2, 4 and 7 can never be accepted
+    assert (logits[0, [2, 4, 5, 7]] == 0).all()  # from a forbidden token down: never emitted, left unconstrained
+    assert grammar.accepted_tokens == []
     grammar.accept_token(good[0])
