@@ -78,7 +78,7 @@ def penalize(logits: torch.Tensor, output_ids: list[int], tokens: torch.Tensor, 
     repetition penalty."""
     from sglang_dflash.tree import ancestor_mask
 
-    N, V = logits.shape
+    V = logits.shape[1]
     on_path = ancestor_mask(parents.cpu()).to(logits.device)  # [N, N]: node m's path, the root and m included
     counts = output_counts(output_ids, tokens, on_path, V)
     if sp.frequency_penalty != 0.0:

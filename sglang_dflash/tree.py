@@ -27,6 +27,7 @@ For a batch of bs requests with one node budget N (the verify forward's rows per
     TREE_MASK_ATTR                                    the verify input's attribute that carries the ancestor
                                                       masks [bs, N, N] to the CPU engine's verify attention
     accept_trees_greedy(tokens, parents, target_next) accept_tree_greedy for the batch at once
+    accept_trees_sampled(tokens, parents, p_node, u)  accept_tree_sampled for the batch, a depth at a time
     path_order(paths, N)                              [bs, N]: the accepted path's nodes in order, then the
                                                       others: where each node's KV slot goes in req_to_token
 
@@ -200,6 +201,41 @@ def accept_trees_greedy(tokens: torch.Tensor, parents: torch.Tensor, target_next
     pos = torch.arange(D + 1, device=tokens.device)[None, :]
     paths = torch.where(pos <= accept_len[:, None], order, last[:, None])
     return paths, accept_len, target_next.gather(1, last[:, None])[:, 0]
+
+
+def accept_trees_sampled(tokens: torch.Tensor, parents: torch.Tensor, p_node, u: torch.Tensor):
+    """accept_tree_sampled for the batch, a depth at a time: tokens, parents [bs, N]; p_node(rows, nodes) -> [len(rows),
+    V]: the target's distribution after node nodes[i] of request rows[i] (formed only for the nodes the walks
+    reach, as the chain forms its rows lazily); u [bs, D + 1]: request r's uniform at depth d -> (paths
+    [bs, D + 1], accept_len [bs], next_token [bs]) as accept_trees_greedy returns them. With the same u each
+    request walks exactly as accept_tree_sampled would (whose exactness tests/test_tree.py enumerates)."""
+    from sglang_dflash.accept import sample_inverse_cdf
+
+    bs = tokens.shape[0]
+    D = u.shape[1] - 1
+    node = torch.zeros(bs, dtype=torch.long, device=tokens.device)  # each walk's current node
+    paths = torch.zeros(bs, D + 1, dtype=torch.long, device=tokens.device)
+    accept_len = torch.zeros(bs, dtype=torch.long, device=tokens.device)
+    next_token = torch.zeros(bs, dtype=torch.long, device=tokens.device)
+    active = torch.arange(bs, device=tokens.device)
+    for d in range(D + 1):
+        if active.numel() == 0:
+            break
+        x = sample_inverse_cdf(p_node(active, node[active]), u[active, d]).long()  # [active]
+        hit = (parents[active] == node[active, None]) & (tokens[active] == x[:, None])  # [active, N]: the child
+        found = hit.any(1)
+        if d == D and bool(found.any()):
+            raise ValueError(f"uniforms for depths 0 … {D} only, and the tree goes deeper")
+        moved, stopped = active[found], active[~found]
+        next_token[stopped] = x[~found]
+        node[moved] = hit[found].float().argmax(1)
+        if moved.numel():
+            paths[moved, d + 1] = node[moved]
+        accept_len[moved] += 1
+        active = moved
+    paths = torch.where(torch.arange(D + 1, device=tokens.device)[None, :] <= accept_len[:, None], paths,
+                        paths.gather(1, accept_len[:, None]))
+    return paths, accept_len, next_token
 
 
 def path_order(paths: torch.Tensor, accept_len: torch.Tensor, n: int) -> torch.Tensor:

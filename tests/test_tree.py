@@ -221,3 +221,37 @@ def test_the_accepted_path_takes_the_first_positions_and_every_slot_stays_in_the
     window = slots.gather(1, order)  # what req_to_token[prefix : prefix + N] holds after the step
     assert window[:, :3].tolist() == [[10, 12, 14], [20, 21, 22], [30, 31, 33]]
     assert all(sorted(w) == sorted(s) for w, s in zip(window.tolist(), slots.tolist()))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_sampled_acceptance_of_a_batch_of_trees_is_each_trees_walk(seed):
+    """accept_trees_sampled with the same uniforms == accept_tree_sampled request by request (whose exactness
+    the enumeration above proves), the distributions formed only for the nodes the walks reach. The target's
+    distributions lean towards the tree's tokens, so that walks go deep and leave at every depth."""
+    from sglang_dflash.tree import Tree, accept_trees_sampled
+
+    (tokens, parents, depths), g = random_tree_batch(seed, bs=6, N=12)
+    bs, N = tokens.shape
+    V, D = 9, int(depths.max())
+    logits = torch.randn(bs, N, V, generator=g)
+    for r in range(bs):  # each node's distribution favours its children's tokens
+        for m in range(1, N):
+            logits[r, int(parents[r, m]), int(tokens[r, m])] += 2.0
+    p = torch.softmax(logits, -1)
+    u = torch.rand(bs, D + 1, generator=g, dtype=torch.float64)
+    asked = []
+
+    def p_node(rows, nodes):
+        asked.append(len(rows))
+        return p[rows, nodes]
+
+    paths, accept_len, next_token = accept_trees_sampled(tokens, parents, p_node, u)
+    for r in range(bs):
+        path, nxt = accept_tree_sampled(Tree(tokens[r], parents[r], depths[r], torch.zeros(N)), p[r], u[r])
+        assert accept_len[r] == len(path) - 1 and next_token[r] == nxt, r
+        assert paths[r].tolist() == path + [path[-1]] * (D + 1 - len(path)), r
+    assert asked[0] == bs and sum(asked) == int(accept_len.sum()) + bs  # one distribution per node reached
+    with pytest.raises(ValueError, match="the tree goes deeper"):
+        accept_trees_sampled(tokens, parents, lambda rows, nodes: torch.nn.functional.one_hot(
+            tokens[rows].gather(1, (parents[rows] == nodes[:, None]).float().argmax(1, keepdim=True))[:, 0], V).double(),
+            u[:, :1])
