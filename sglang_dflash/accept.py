@@ -133,7 +133,7 @@ def _sorted_head(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
 # different (position, purpose); across steps a position's uniforms are read again only for
 # positions past the last one decided, which no earlier decision looked at. So the draws are
 # independent of the history, as rejection sampling needs, and reproducible.
-SALT_DRAFT, SALT_ACCEPT, SALT_STOP = 0x5EED01, 0x5EED02, 0x5EED03
+SALT_DRAFT, SALT_ACCEPT, SALT_STOP, SALT_TREE = 0x5EED01, 0x5EED02, 0x5EED03, 0x5EED04
 _M32 = 0xFFFFFFFF
 
 

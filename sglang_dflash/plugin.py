@@ -71,10 +71,28 @@ def handle_dflash_args(original, server_args):
         raise ValueError("sglang-dflash's DFLASH worker does not run LoRA adapters (its draft carries none, and its "
                          "verify forward has never been tested with one): --enable-lora / --lora-paths are not "
                          f"supported. {IMPL}=builtin runs SGLang's own DFLASH, which does")
-    if cfg.speculative_eagle_topk is not None and int(cfg.speculative_eagle_topk) != 1:
-        raise ValueError(f"--speculative-eagle-topk {cfg.speculative_eagle_topk}: tree verification is not in "
-                         "sglang-dflash's DFLASH worker yet (sglang_dflash/tree.py holds its pieces); DFLASH verifies "
-                         "the draft's top-1 chain: leave the flag out or give 1")
+    topk = int(cfg.speculative_eagle_topk or 1)
+    if topk < 1:
+        raise ValueError(f"--speculative-eagle-topk {cfg.speculative_eagle_topk}: give 1 (the draft's top-1 chain) "
+                         "or k > 1 (a tree of its top-k tokens per row)")
+    if topk > 1:  # tree verification (worker.tree_step): what it has been run and checked on
+        import torch
+
+        device = str(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))  # SGLang's own default
+        tree_refusals = [
+            (not device.startswith("cpu"), "has not run on a GPU yet (its verify must not replay "
+             "the chain's CUDA graph, and SGLang's CUDA backends must read its custom mask: "
+             "docs/tree-verification-plan.md, step 4): run it on a CPU or verify the chain (k = 1)"),
+            ((cfg.page_size or 1) > 1, f"keeps the accepted path's K/V in place by permuting req_to_token, which "
+             f"needs --page-size 1 (got {cfg.page_size}; with pages the path's K/V must be copied: not written yet)"),
+            (cfg.tp_size > 1, "has not been run with tensor parallelism yet: give --tp 1"),
+            (bool(cfg.speculative_adaptive), "uses the fixed node budget --speculative-num-draft-tokens N (the "
+             "adaptive choice between a chain window and a tree budget is not written yet): leave out "
+             "--speculative-adaptive"),
+        ]
+        for refused, why in tree_refusals:
+            if refused:
+                raise ValueError(f"--speculative-eagle-topk {topk}: sglang-dflash's tree verification {why}")
     if cfg.speculative_num_steps is not None and int(cfg.speculative_num_steps) != 1:
         logger.warning("DFLASH drafts a block in one forward: --speculative-num-steps %s is EAGLE's, taken as 1",
                        cfg.speculative_num_steps)
@@ -93,7 +111,11 @@ def handle_dflash_args(original, server_args):
     # measured step times and acceptance (window.py): the fastest setting by default. With it the window
     # is fixed at K, unless --speculative-adaptive is given too (then adaptive, 1 … K).
     window = cfg.speculative_num_draft_tokens or draft.block_size
-    adaptive = bool(cfg.speculative_adaptive) or cfg.speculative_num_draft_tokens is None
+    adaptive = topk == 1 and (bool(cfg.speculative_adaptive) or cfg.speculative_num_draft_tokens is None)
+    if topk > 1:  # with k > 1 the window is a tree's node budget N (the root, the bonus token, included)
+        logger.info("DFLASH tree verification: a tree of %d nodes from the draft's top %d tokens per row each step%s",
+                    window, topk, "" if cfg.speculative_num_draft_tokens else " (the draft's block size: "
+                    "--speculative-num-draft-tokens N sets the budget)")
     decided = dict(speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=window,
                    speculative_adaptive=adaptive, disable_overlap_schedule=True)
     # SGLang caps every speculative server at 48 running requests. A fixed window keeps that cap; an adaptive one

@@ -16,9 +16,13 @@ gathered verify logits, the all-reduced hidden states of target and draft), so t
 construction; random draws (sampled drafts, rejection sampling) are taken from rank 0
 (`tp_broadcast`).
 
+Tree verification (--speculative-eagle-topk k > 1, tree.py): the same step with a tree of N nodes in place of
+the chain's K rows (tree_step): the best-first tree of the draft's top-k tokens per row, verified in one
+forward with each node seeing its ancestors, the longest root path of the target's own tokens accepted.
+
 Shapes: bs requests, B the draft's block size, K ≤ B the verify window (--speculative-num-draft-tokens;
 adaptive by default or with --speculative-adaptive: chosen each step from 1 … K, or 1 … B, window.py; K = 1
-is a plain decode step), V vocabulary, F = features × hidden.
+is a plain decode step), N ≤ B a tree's nodes (the root included), V vocabulary, F = features × hidden.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ import logging
 import torch
 
 from sglang_dflash import __version__, block_logits
-from sglang_dflash.accept import (SALT_DRAFT, accept_greedy, accept_sampled_rows, filtered_probs, sample_inverse_cdf,
-                                   seeded_uniform)
+from sglang_dflash.accept import (SALT_DRAFT, SALT_TREE, accept_greedy, accept_sampled_rows, filtered_probs,
+                                   sample_inverse_cdf, seeded_uniform)
 from sglang_dflash.config import load_checked
 from sglang_dflash.cpu import gemm
 from sglang_dflash.draft_head import DraftHead
@@ -40,6 +44,8 @@ from sglang_dflash.ops import kernels
 from sglang_dflash.settings import settings
 from sglang_dflash.sglang_adapter import SGLangSpecWorker
 from sglang_dflash.step_stats import NO_STATS, StepStats
+from sglang_dflash.tree import (TREE_MASK_ATTR, accept_trees_greedy, accept_trees_sampled, ancestor_mask, build_trees,
+                                path_order)
 from sglang_dflash.window import AdaptiveWindow
 
 logger = logging.getLogger(__name__)
@@ -66,6 +72,9 @@ class DFlashWorker(SGLangSpecWorker):
 
         self.spec_args = resolved_view(server_args)
         self.window = self.spec_args.speculative_num_draft_tokens or self.block_size  # K ≤ B tokens verified per step
+        # k > 1: tree verification with N = window nodes. SGLang's own resolved topk stays 1 (plugin.py): its
+        # value switches SGLang's attention backends and memory pools into EAGLE's tree layouts
+        self.topk = int(server_args.speculative_eagle_topk or 1)
         self.draft_model = ShardedDraftModel.from_pretrained(server_args.speculative_draft_model_path, dtype=self.dtype,
                                                              device=self.device)
         self.draft: PagedDraft | None = None  # allocated once the target's KV pool exists
@@ -84,10 +93,12 @@ class DFlashWorker(SGLangSpecWorker):
         self.adaptive = self.window_policy()
         attn = self.draft_model.layers[0].self_attn
         step_ops = "CUDA kernels" if kernels.extension_available() and self.device != "cpu" else "torch twins"
-        logger.info("sglang-dflash %s DFLASH worker: draft %s (%d layers, block %d, target layers %s), verify "
-                    "window %s, %s %s, step ops: %s, tp %d (draft heads per rank: %d query, %d kv); %s", __version__,
+        logger.info("sglang-dflash %s DFLASH worker: draft %s (%d layers, block %d, target layers %s), %s, "
+                    "%s %s, step ops: %s, tp %d (draft heads per rank: %d query, %d kv); %s", __version__,
                     server_args.speculative_draft_model_path, len(self.draft_model.layers), self.block_size,
-                    self.layer_ids, f"adaptive 1-{self.window}" if self.adaptive else self.window, self.device,
+                    self.layer_ids, f"tree verification of {self.window} nodes from the top {self.topk} per row"
+                    if self.topk > 1 else f"verify window adaptive 1-{self.window}" if self.adaptive
+                    else f"verify window {self.window}", self.device,
                     self.dtype, step_ops, self.tp_size, attn.h, attn.kvh, self.settings.describe())
 
     # ---- what the scheduler calls at start-up (the rest: sglang_adapter.py) ----
@@ -122,6 +133,8 @@ class DFlashWorker(SGLangSpecWorker):
     def decode_step(self, batch):
         from sglang.srt.managers.utils import GenerationBatchResult
 
+        if self.topk > 1:
+            return self.tree_step(batch)
         K = self.choose_window(batch)  # rows verified per request: the bonus token and K-1 drafts
         prefix_lens = batch.seq_lens.long()  # [bs] committed tokens; the bonus token is not in the KV yet
         req_to_token = batch.req_to_token_pool.req_to_token
@@ -164,6 +177,84 @@ class DFlashWorker(SGLangSpecWorker):
             logits_output=logits_output, next_token_ids=out_tokens.reshape(-1), accept_lens=commit_lens.to(torch.int32),
             new_seq_lens=new_seq_lens, next_draft_input=make_draft_input(next_token, new_seq_lens),
             speculative_num_draft_tokens=K, can_run_cuda_graph=graphed)
+
+    def tree_step(self, batch):
+        """A decode step that verifies a tree of N nodes (--speculative-eagle-topk k > 1; tree.py): the draft's
+        rows 1 … N-1 as distributions -> the best-first tree of the N most likely paths of their top-k tokens ->
+        one verify forward, node m at position prefix + depth(m) seeing its ancestors -> the longest root path of
+        the target's own tokens (greedy; sampled: drawn from the target's distribution node by node, exact) ->
+        its K/V kept where the verify wrote it (page size 1: the window's req_to_token entries permuted, the path
+        first) and its draft context written. The tree has N ≤ B nodes, one verify row each."""
+        from sglang.srt.managers.utils import GenerationBatchResult
+
+        N = self.window
+        prefix_lens = batch.seq_lens.long()  # [bs]
+        rpi, req_to_token = batch.req_pool_indices, batch.req_to_token_pool.req_to_token
+        sampling = None if batch.sampling_info.is_all_greedy else batch.sampling_info
+        bonus = batch.spec_info.bonus_tokens
+        with self.stats.phase("build_block"):  # block_ids, positions (prefix … prefix+N-1), slots [bs, N]
+            block_ids, positions, slots = self.build_block(bonus, prefix_lens, rpi, req_to_token, N)
+        with self.stats.phase("draft"):  # tokens, parents, depths [bs, N]
+            rows = self.draft_rows(block_ids, positions, req_to_token, rpi, prefix_lens, self.host_max(batch))
+            logprobs = torch.log_softmax(self.head.logits(rows).float(), dim=-1).view(block_ids.shape[0], N - 1, -1)
+            tokens, parents, depths = build_trees(logprobs, self.topk, N, bonus)
+        with self.stats.phase("verify"):  # logits [bs, N, V], features [bs, N, F]
+            logits_output, logits, features, graphed = self.verify(batch, tokens, prefix_lens[:, None] + depths,
+                                                                   slots, parents)
+        with self.stats.phase("accept"):  # paths [bs, D+1] (root first), accept_len [bs], next_token [bs]
+            if sampling is None:
+                paths, accept_len, next_token = accept_trees_greedy(tokens, parents, logits.argmax(-1))
+            else:
+                paths, accept_len, next_token = accept_trees_sampled(
+                    tokens, parents, self.node_probs(logits, sampling), self.tree_uniforms(sampling, prefix_lens,
+                                                                                           int(depths.max()) + 1))
+        commit_lens = accept_len + 1
+        with self.stats.phase("commit"):
+            kept = slots.gather(1, path_order(paths, accept_len, N))  # position prefix + j's slot from now on
+            req_to_token[rpi[:, None].long(), positions] = kept.to(req_to_token.dtype)
+            on_path = paths.shape[1]
+            self.commit(features.gather(1, paths[:, :, None].expand(-1, -1, features.shape[-1])),
+                        positions[:, :on_path], kept[:, :on_path], commit_lens)
+        self.stats.record(commit_lens, N)
+
+        # [bs, N]: row i emits out_tokens[i, :commit_lens[i]] (its path's drafts, then next_token)
+        out_tokens = torch.cat([tokens.gather(1, paths[:, 1:]), next_token[:, None].expand(-1, N - on_path + 1)], 1)
+        out_tokens.scatter_(1, accept_len[:, None], next_token[:, None])
+        new_seq_lens = prefix_lens + commit_lens
+        if batch.return_logprob:  # token j of row i was predicted at node paths[i, j] (logits row i·N + that node)
+            from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+
+            accept_index = torch.arange(len(paths), device=paths.device)[:, None] * N + paths  # [bs, D+1]
+            predict = torch.zeros(len(paths) * N, dtype=torch.long, device=paths.device)
+            predict[accept_index.reshape(-1)] = out_tokens[:, :on_path].reshape(-1)
+            compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
+        logits_output.hidden_states = None
+        return GenerationBatchResult(
+            logits_output=logits_output, next_token_ids=out_tokens.reshape(-1), accept_lens=commit_lens.to(torch.int32),
+            new_seq_lens=new_seq_lens, next_draft_input=make_draft_input(next_token, new_seq_lens),
+            speculative_num_draft_tokens=N, can_run_cuda_graph=graphed)
+
+    @staticmethod
+    def node_probs(logits, info):
+        """p_node(rows, nodes) -> [len(rows), V]: the target's filtered distribution at those nodes (what SGLang's
+        sampler would draw from there), formed only for the nodes a sampled walk reaches."""
+        temps, min_ps = info.temperatures.view(-1), info.min_ps if info.need_min_p_sampling else None
+
+        def p_node(rows, nodes):
+            return filtered_probs(logits[rows, nodes], temps[rows], info.top_ks[rows], info.top_ps[rows],
+                                  None if min_ps is None else min_ps[rows])
+        return p_node
+
+    @staticmethod
+    def tree_uniforms(info, prefix_lens, depths: int) -> torch.Tensor:
+        """[bs, depths] uniforms of a sampled tree walk, one per depth: seeded requests (SGLang's sampling_seed,
+        --enable-deterministic-inference) hash (seed, the position of the token drawn, SALT_TREE), as the chain's
+        draws do; the others draw from torch's generator."""
+        bs = prefix_lens.numel()
+        if info.sampling_seed is not None:
+            positions = prefix_lens[:, None] + 1 + torch.arange(depths, device=prefix_lens.device)
+            return seeded_uniform(info.sampling_seed, positions, SALT_TREE)
+        return torch.rand(bs, depths, dtype=torch.float64, device=prefix_lens.device).clamp_(min=1e-12)
 
     def window_policy(self) -> AdaptiveWindow | None:
         """Adaptive (window.py) when the server resolved speculative_adaptive (plugin.handle_dflash_args: no
@@ -215,13 +306,7 @@ class DFlashWorker(SGLangSpecWorker):
         trained on), given the window's block_ids [bs, K] (bonus, MASK, …) -> draft tokens [bs, K-1] and,
         when sampling, their distributions q [bs, K-1, V]."""
         bs, K = block_ids.shape
-        B, block_pos = self.block_size, positions
-        if K < B:  # the window is shorter than the block: the draft still fills B positions, K-1 are used
-            block_ids = torch.nn.functional.pad(block_ids, (0, B - K), value=self.config.mask_token_id)
-            block_pos = positions[:, :1] + torch.arange(B, device=positions.device)
-        embeds = self.embed(block_ids.reshape(-1)).view(bs, B, -1)
-        hidden = self.draft.forward_block(embeds, block_pos, req_to_token, req_pool_indices, prefix_lens, max_prefix)
-        rows = hidden[:, 1:K].reshape(bs * (K - 1), -1)  # [bs·(K-1), H]: one GEMM (a strided 3-D operand: a bmm)
+        rows = self.draft_rows(block_ids, positions, req_to_token, req_pool_indices, prefix_lens, max_prefix)
         if sampling_info is None:
             return self.head.argmax(rows).view(bs, K - 1), None
         logits = self.head.logits(rows).view(bs, K - 1, -1)  # [bs, K-1, V]
@@ -236,12 +321,26 @@ class DFlashWorker(SGLangSpecWorker):
             tokens = sample_inverse_cdf(q, seeded_uniform(seeds, positions[:, 1:], SALT_DRAFT))
         return tokens, q
 
-    def verify(self, batch, block_ids, positions, slots):
+    def draft_rows(self, block_ids, positions, req_to_token, req_pool_indices, prefix_lens, max_prefix=None):
+        """The draft's hidden states at block rows 1 … K-1 -> [bs·(K-1), H], from one non-causal forward over the
+        whole block of B positions (the shape the draft was trained on) given the window's block_ids [bs, K]
+        (bonus, MASK, …) at positions [bs, K]."""
+        bs, K = block_ids.shape
+        B, block_pos = self.block_size, positions
+        if K < B:  # the window is shorter than the block: the draft still fills B positions, K-1 are used
+            block_ids = torch.nn.functional.pad(block_ids, (0, B - K), value=self.config.mask_token_id)
+            block_pos = positions[:, :1] + torch.arange(B, device=positions.device)
+        embeds = self.embed(block_ids.reshape(-1)).view(bs, B, -1)
+        hidden = self.draft.forward_block(embeds, block_pos, req_to_token, req_pool_indices, prefix_lens, max_prefix)
+        return hidden[:, 1:K].reshape(bs * (K - 1), -1)  # one GEMM for the head (a strided 3-D operand: a bmm)
+
+    def verify(self, batch, block_ids, positions, slots, parents=None):
         """One target forward over every request's block (TARGET_VERIFY), capturing the hidden states at
         the draft's target layers -> (logits output, logits [bs, K, V], features [bs, K, F], whether it
         replayed the target's CUDA graph). The logits are the ones the non-speculative sampler would see at
         each row: the request's penalties, grammar, logit_bias and custom processors applied as if the drafts
-        before the row were its output."""
+        before the row were its output. With a tree's parents [bs, K]: row m is node m at its position,
+        seeing its ancestors only (tree.TREE_MASK_ATTR), and its rules follow its own path."""
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
         from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 
@@ -249,6 +348,9 @@ class DFlashWorker(SGLangSpecWorker):
         verify_input = DFlashVerifyInput(draft_token=block_ids.reshape(-1), positions=positions.reshape(-1),
                                          draft_token_num=K, custom_mask=None,
                                          capture_hidden_mode=CaptureHiddenMode.FULL)
+        if parents is not None:  # the CPU engine's verify attention reads it (plugin.torch_native_forward_extend)
+            setattr(verify_input, TREE_MASK_ATTR, torch.stack([ancestor_mask(row) for row in parents.cpu()])
+                    .to(block_ids.device))
         # The one place the step writes to the scheduler's batch, as SGLang's own verify does: out_cache_loc
         # is where the verify forward writes the block's K/V (the slots the scheduler reserved). And the
         # attention backends plan a verify batch from the KV length with the block (seq_lens_cpu + K on the
@@ -274,7 +376,7 @@ class DFlashWorker(SGLangSpecWorker):
                 self.warned_custom = True
                 logger.warning("custom logit processors run once per verify block with the request's committed "
                                "output: one that reads the output so far does not see the block's drafts")
-            block_logits.apply_rules(logits, block_ids, batch)
+            block_logits.apply_rules(logits, block_ids, batch, parents)
         return out, logits, out.hidden_states[: bs * K].view(bs, K, -1), graphed
 
     def accept(self, draft_tokens, q, logits, positions, sampling_info):

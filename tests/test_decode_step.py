@@ -65,16 +65,40 @@ class StubDraft:
         self.writes.append((features.clone(), positions.clone(), slots.clone()))
 
 
+TREE_SCALE = 4.0  # the tree stub draft's head: logits 4 and 3.6 at its two candidates, 0 elsewhere
+
+
+class StubTreeDraft(StubDraft):
+    """Two candidates per block row for a tree: the rule's token and a wrong one, with hidden weights 1.0 and 0.9;
+    plan[req_pool_index] lists, for rows 1 … B-1, whether the rule's token is the second candidate (1) or the
+    first (0): a chain of first choices stops at the first row whose truth is second."""
+
+    def forward_block(self, embeds, positions, req_to_token, req_pool_indices, prefix_lens, max_prefix=None):
+        bs, B, H = embeds.shape
+        tokens = embeds.argmax(-1)
+        self.seen.append((tokens.clone(), positions.clone(), prefix_lens.clone()))
+        hidden = torch.zeros(bs, B, V)
+        for i in range(bs):
+            second = self.plan[int(req_pool_indices[i])]
+            want = truth(int(tokens[i, 0]), int(positions[i, 0]), B)
+            for j in range(1, B):
+                wrong = (want[j] + 1) % (V - 1)
+                hidden[i, j, want[j]], hidden[i, j, wrong] = (0.9, 1.0) if second[j - 1] else (1.0, 0.9)
+        return hidden
+
+
 class StubTarget:
     """The target worker's verify forward: logits of the rule at each row; features (token, position)."""
 
     def __init__(self):
         self.verified = []  # (input ids [N], positions [N], slots written [N])
+        self.spec_infos = []  # the verify inputs
 
     def forward_batch_generation(self, batch=None, forward_batch=None, is_verify=False):
         assert is_verify and batch is None
         ids, pos = forward_batch.input_ids, forward_batch.positions
         self.verified.append((ids.clone(), pos.clone(), forward_batch.out_cache_loc.clone()))
+        self.spec_infos.append(forward_batch.spec_info)
         logits = torch.full((ids.numel(), V), -SCALE)
         logits[torch.arange(ids.numel()), rule(ids, pos)] = 0.0
         hidden = torch.stack([ids.float(), pos.float()], dim=1)  # [N, F = 2]
@@ -83,9 +107,9 @@ class StubTarget:
 
 def prepare_for_verify(self, batch, target_worker):
     """DFlashVerifyInput.prepare_for_verify reduced to what the stub target reads (SGLang's builds a
-    ForwardBatch for its attention backends)."""
+    ForwardBatch for its attention backends); the verify input rides along as the forward batch's spec_info."""
     fb = SimpleNamespace(input_ids=self.draft_token, positions=self.positions, out_cache_loc=batch.out_cache_loc,
-                         mark_forward_metadata_ready=lambda: None)
+                         spec_info=self, mark_forward_metadata_ready=lambda: None)
     return fb, False
 
 
@@ -99,15 +123,16 @@ def make_worker(monkeypatch):
 
     monkeypatch.setattr(DFlashVerifyInput, "prepare_for_verify", prepare_for_verify)
 
-    def make(block_size: int, window: int, page_size: int, plan: dict[int, int]):
+    def make(block_size: int, window: int, page_size: int, plan: dict, topk: int = 1):
         w = DFlashWorker.__new__(DFlashWorker)  # no SGLang model runner: the stubs stand in for it
         embed = torch.nn.Embedding(V, V)
         embed.weight.data = torch.eye(V)
+        draft = StubDraft(plan, block_size) if topk == 1 else StubTreeDraft(plan, block_size)
         w.__dict__.update(
             _target_worker=StubTarget(), server_args=None, device="cpu", dtype=torch.float32, block_size=block_size,
             window=window, config=SimpleNamespace(mask_token_id=MASK), page_size=page_size, embed=embed,
-            head=DraftHead(torch.eye(V) * SCALE, V), draft=StubDraft(plan, block_size), tp_size=1, adaptive=None,
-            stats=NO_STATS, warned_custom=False)
+            head=DraftHead(torch.eye(V) * (SCALE if topk == 1 else TREE_SCALE), V), draft=draft, tp_size=1,
+            adaptive=None, stats=NO_STATS, warned_custom=False, topk=topk)
         return w
 
     return make
@@ -243,3 +268,101 @@ def test_no_instrumentation_runs_when_statistics_are_off(make_worker, monkeypatc
     worker = make_worker(8, 8, 1, {0: 2, 1: 7, 2: 0, 3: 4})
     batch = make_batch(PREFIXES, BONUS, POOL, [False] * 4, 1)
     run_steps(worker, batch, [{0: 2, 1: 7, 2: 0, 3: 4}] * 2)
+
+
+def run_tree_steps(worker, batch, plans: list[dict]):
+    """Tree decode steps (topk > 1) with each step's plan; after each, check it against the rule and the tree
+    the step should have built, and carry its result into the batch as the scheduler does."""
+    from sglang_dflash.tree import TREE_MASK_ATTR, accept_tree_greedy, ancestor_mask, build_tree
+
+    bs, N = batch.seq_lens.numel(), worker.window
+    req_to_token = batch.req_to_token_pool.req_to_token
+    accepted_all = []
+    for plan in plans:
+        worker.draft.plan = plan
+        worker.draft.writes.clear()
+        worker._target_worker.verified.clear()
+        worker._target_worker.spec_infos.clear()
+        prefix = batch.seq_lens.tolist()
+        bonus = batch.spec_info.bonus_tokens.tolist()
+        rows_before = req_to_token.clone()
+        res = worker.decode_step(batch)
+
+        # the tree each request should have built: its draft rows' distributions, the top 2 per row
+        expected = []
+        for i in range(bs):
+            want = truth(bonus[i], prefix[i], worker.block_size)
+            second = plan[int(batch.req_pool_indices[i])]
+            logits = torch.zeros(N - 1, V)
+            for j in range(1, N):
+                wrong = (want[j] + 1) % (V - 1)
+                logits[j - 1, want[j]], logits[j - 1, wrong] = ((0.9, 1.0) if second[j - 1] else (1.0, 0.9))
+            tree = build_tree(torch.log_softmax(logits * TREE_SCALE, -1), worker.topk, N, bonus[i])
+            target_next = rule(tree.tokens, prefix[i] + tree.depths)
+            path, _ = accept_tree_greedy(tree, target_next)
+            expected.append((tree, path))
+        commit = [len(path) for _, path in expected]
+        accepted_all.append([c - 1 for c in commit])
+        assert res.speculative_num_draft_tokens == N and res.accept_lens.tolist() == commit
+        assert res.new_seq_lens.tolist() == [p + c for p, c in zip(prefix, commit)]
+        out = res.next_token_ids.view(bs, N)
+        for i in range(bs):  # the path's drafts, then the target's own token: the rule's continuation
+            assert out[i, :commit[i]].tolist() == truth(bonus[i], prefix[i], commit[i] + 1)[1:], (i, plan)
+
+        # the verify forward: the tree's nodes at prefix + depth, written to the slots of prefix … prefix + N - 1,
+        # each seeing its ancestors
+        (ids, pos, written), = worker._target_worker.verified
+        assert ids.view(bs, N).tolist() == [t.tokens.tolist() for t, _ in expected]
+        assert pos.view(bs, N).tolist() == [(p + t.depths).tolist() for p, (t, _) in zip(prefix, expected)]
+        window = [rows_before[batch.req_pool_indices[i], p: p + N] for i, p in enumerate(prefix)]
+        assert written.view(bs, N).tolist() == [w.tolist() for w in window]
+        mask = getattr(worker._target_worker.spec_infos[0], TREE_MASK_ATTR)
+        assert torch.equal(mask, torch.stack([ancestor_mask(t.parents) for t, _ in expected]))
+
+        # the accepted path's K/V stays where it was written: position prefix + j now holds the slot node path[j]
+        # was verified in; the window keeps every one of its slots (the rest for the next step); nothing else moved
+        after = req_to_token.clone()
+        for i, p in enumerate(prefix):
+            r = int(batch.req_pool_indices[i])
+            path = expected[i][1]
+            assert after[r, p: p + len(path)].tolist() == window[i][path].tolist()
+            assert sorted(after[r, p: p + N].tolist()) == sorted(window[i].tolist())
+            after[r, p: p + N] = rows_before[r, p: p + N]
+        assert torch.equal(after, rows_before)
+
+        # the draft context: exactly positions prefix … prefix + accepted, at their new slots, with the features
+        # (token, position) of the path's nodes as the verify computed them
+        (features, positions, slots), = worker.draft.writes
+        rows = [(i, p + j) for i, p in enumerate(prefix) for j in range(commit[i])]
+        assert positions.tolist() == [t for _, t in rows]
+        assert slots.tolist() == [slot_of(batch, i, t) for i, t in rows]
+        assert features.tolist() == [[float(truth(bonus[i], prefix[i], t - prefix[i] + 1)[-1]), float(t)]
+                                     for i, t in rows]
+
+        batch.seq_lens = res.new_seq_lens
+        batch.seq_lens_cpu = res.new_seq_lens.clone()
+        batch.seq_lens_sum = int(res.new_seq_lens.sum())
+        batch.spec_info = res.next_draft_input
+    return accepted_all
+
+
+TREE_PLANS = [  # per request (pool row): for block rows 1 … 7, whether the rule's token is the second candidate
+    {0: [0] * 7, 1: [1, 0, 0, 0, 0, 0, 0], 2: [0, 1, 0, 1, 0, 0, 0], 3: [1, 1, 1, 1, 1, 1, 1]},
+    {0: [1, 0, 1, 0, 0, 0, 0], 1: [0] * 7, 2: [1, 1, 0, 0, 0, 0, 0], 3: [0, 0, 0, 1, 0, 0, 0]},
+    {0: [0, 0, 1, 1, 0, 0, 0], 1: [0, 1, 1, 0, 0, 0, 0], 2: [0] * 7, 3: [1, 0, 0, 0, 0, 0, 0]},
+]
+
+
+@pytest.mark.parametrize("sampled", [[False] * 4, [True, False, True, False]])
+def test_tree_steps_accept_past_a_wrong_first_choice(make_worker, sampled):
+    """--speculative-eagle-topk 2 with 8 nodes: three steps of four requests, greedy, and sampled beside greedy
+    (the stub target's distributions are point masses: exact for both). Where the rule's token is a row's second
+    candidate, the chain of first choices would stop there; the tree goes on past it when its budget holds that
+    branch. Checked per step: the tree built, the verify rows, the tokens and lengths, the KV slots kept in place
+    and the draft context written."""
+    worker = make_worker(8, 8, 1, TREE_PLANS[0], topk=2)
+    batch = make_batch(PREFIXES, BONUS, POOL, sampled, 1)
+    accepted = run_tree_steps(worker, batch, TREE_PLANS)
+    chain = [[next((j for j, s in enumerate(plan[r]) if s), 7) for r in POOL] for plan in TREE_PLANS]
+    assert any(a > c for step_a, step_c in zip(accepted, chain) for a, c in zip(step_a, step_c)), (accepted, chain)
+    assert all(a >= c for step_a, step_c in zip(accepted, chain) for a, c in zip(step_a, step_c) if c <= 2)

@@ -1,5 +1,6 @@
 """The statistical tier: sampled output (temperature > 0) from the DFLASH server follows the target's
-exact distribution (issue 6), on the session's shared window-4 server (shared_servers.py)."""
+exact distribution (issue 6), on the session's shared window-4 server (shared_servers.py), and through tree
+verification (--speculative-eagle-topk 2) on a server of its own."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import requests
 import torch
 
 from conftest import load_target, random_draft
-from shared_servers import STAT_TEXTS, stat_ids
+from server import sglang_server
+from shared_servers import STAT_TEXTS, TRAINED_DRAFT, dflash_args, stat_ids
 from stats import P_FAIL, exact_paths, goodness_of_fit
 
 pytestmark = pytest.mark.stats
@@ -46,19 +48,10 @@ def sample_many(url: str, ids: list[int], n: int, params: dict) -> tuple[list[tu
 
 @pytest.mark.parametrize("prompt,setting", STAT_CASES)
 def test_sampled_output_follows_the_target_distribution(smol, window4_url, hf_smol, prompt, setting):
-    from sglang_dflash.accept import filtered_probs
-
     params = STAT_SETTINGS[setting]
     ids = stat_ids(smol, prompt)
     spec, meta = sample_many(window4_url, ids, STAT_SAMPLES, params)
-
-    def filt(logits):
-        n, V = logits.shape
-        full = lambda v: torch.full((n,), float(v))  # noqa: E731
-        return filtered_probs(logits, full(params["temperature"]), full(params.get("top_k", V)).long(),
-                              full(params.get("top_p", 1.0)), full(params.get("min_p", 0.0)))
-
-    exact = exact_paths(hf_smol, ids, 3, filt, min_prob=5 / STAT_SAMPLES)
+    exact = exact_paths(hf_smol, ids, 3, exact_for(params), min_prob=5 / STAT_SAMPLES)
     p = goodness_of_fit(spec, exact)
     one_step = sum(m["spec_verify_ct"] == 1 for m in meta) / len(meta)  # both verified tokens in one step
     print(f"{prompt} {setting}: p-value {p:.3g}; {len(set(spec))} distinct outcomes, "
@@ -67,6 +60,39 @@ def test_sampled_output_follows_the_target_distribution(smol, window4_url, hf_sm
     assert p > P_FAIL, p
     if prompt == "point-mass draft":
         assert one_step * STAT_SAMPLES >= 20, "the point-mass proposals were (almost) never accepted: the accept path went untested"
+
+
+def exact_for(params):
+    """The filter of a request's sampling params over logits [n, V]: SGLang's sampler's distribution."""
+    from sglang_dflash.accept import filtered_probs
+
+    def filt(logits):
+        n, V = logits.shape
+        full = lambda v: torch.full((n,), float(v))  # noqa: E731
+        return filtered_probs(logits, full(params["temperature"]), full(params.get("top_k", V)).long(),
+                              full(params.get("top_p", 1.0)), full(params.get("min_p", 0.0)))
+    return filt
+
+
+def test_tree_verification_samples_the_target_distribution(smol, hf_smol):
+    """A tree of 8 nodes from the trained draft's top 2 tokens per row (worker.tree_step): STAT_SAMPLES
+    completions of 3 tokens at T = 0.7 follow the target's exact distribution (the walk draws each token from
+    the target's distribution at its node and moves to the child holding it, if any: tree.py). The trained
+    draft's candidates are often the target's likely tokens, so many walks go through the tree (both verified
+    tokens in one step) and the rest leave it at the root."""
+    params = {"temperature": 0.7}
+    ids = stat_ids(smol, "point-mass draft")
+    with sglang_server(smol["path"], *dflash_args(TRAINED_DRAFT, "--speculative-eagle-topk", "2",
+                                                  "--max-running-requests", "128", window=8)) as url:
+        spec, meta = sample_many(url, ids, STAT_SAMPLES, params)
+    exact = exact_paths(hf_smol, ids, 3, exact_for(params), min_prob=5 / STAT_SAMPLES)
+    p = goodness_of_fit(spec, exact)
+    one_step = sum(m["spec_verify_ct"] == 1 for m in meta) / len(meta)
+    print(f"tree of 8 nodes, T=0.7: p-value {p:.3g}; {len(set(spec))} distinct outcomes, {len(exact)} exact paths; "
+          f"both verified tokens from one step in {one_step:.1%} of requests")
+    assert all(len(s) == 3 for s in spec) and all(m["spec_verify_ct"] in (1, 2) for m in meta)
+    assert p > P_FAIL, p
+    assert one_step * STAT_SAMPLES >= 20, "the walks (almost) never went through the tree: the tree path went untested"
 
 
 # ---- the Transformers backend (sglang_dflash.generate), one request at a time -----------------------
