@@ -46,14 +46,14 @@ def apply_rules(logits: torch.Tensor, block_ids: torch.Tensor, batch, parents: t
     """logits [bs, N, V] (in place), block_ids [bs, N]: per request the bonus token, then the drafts; parents
     [bs, N]: a tree's (node m's row follows m's path), or None: the chain (row j follows d_1 … d_j)."""
     bs, N, V = logits.shape
-    if parents is None:
-        parents = torch.arange(-1, N - 1, device=block_ids.device).expand(bs, N)
+    if parents is None:  # built on the host, where the path masks and the grammar walk read it (no device sync)
+        parents = torch.arange(-1, N - 1).expand(bs, N)
     reqs = batch.reqs
     for i, req in enumerate(reqs):
         if has_penalties(req.sampling_params):
             penalize(logits[i], req.output_ids, block_ids[i], parents[i], req.sampling_params, stop_token_ids(req))
     if batch.has_grammar:
-        grammar_mask(logits, block_ids.tolist(), parents.tolist(), [r.grammar for r in reqs])
+        grammar_mask(logits, block_ids.tolist(), parents.tolist(), [r.grammar for r in reqs])  # host lists
     if batch.sampling_info.logit_bias is not None:
         logits.add_(batch.sampling_info.logit_bias[:, None, :V])
     if batch.sampling_info.has_custom_logit_processor:

@@ -71,7 +71,12 @@ def handle_dflash_args(original, server_args):
         raise ValueError("sglang-dflash's DFLASH worker does not run LoRA adapters (its draft carries none, and its "
                          "verify forward has never been tested with one): --enable-lora / --lora-paths are not "
                          f"supported. {IMPL}=builtin runs SGLang's own DFLASH, which does")
-    topk = int(cfg.speculative_eagle_topk or 1)
+    if cfg.grammar_backend not in (None, "xgrammar", "none"):
+        raise ValueError(f"--grammar-backend {cfg.grammar_backend}: sglang-dflash's DFLASH worker walks a request's "
+                         "grammar along the drafts and rolls it back, which needs a rejected token to leave the "
+                         "grammar unchanged and rollback to work (xgrammar, SGLang's default, does both): use "
+                         "--grammar-backend xgrammar")
+    topk = 1 if cfg.speculative_eagle_topk is None else int(cfg.speculative_eagle_topk)
     if topk < 1:
         raise ValueError(f"--speculative-eagle-topk {cfg.speculative_eagle_topk}: give 1 (the draft's top-1 chain) "
                          "or k > 1 (a tree of its top-k tokens per row)")

@@ -54,9 +54,10 @@ import heapq
 import torch
 
 # The DFLASH verify input (SGLang's DFlashVerifyInput) carries a tree's ancestor masks [bs, N, N] in this attribute
-# to plugin.torch_native_forward_extend, the CPU engine's verify attention. Its custom_mask (flat_verify_mask) is
-# for SGLang's CUDA backends; the CPU hook does not read custom_mask, which SGLang itself may set (padded, for
-# CUDA graphs) on paths this worker does not take.
+# to plugin.torch_native_forward_extend, the CPU engine's verify attention. SGLang's CUDA backends would read its
+# custom_mask (flat_verify_mask's layout) instead; the worker leaves that None while tree verification is refused
+# on a GPU (docs/tree-verification-plan.md, step 4). The CPU hook never reads custom_mask, which SGLang itself may
+# set (padded, for CUDA graphs) on paths this worker does not take.
 TREE_MASK_ATTR = "dflash_tree_mask"
 
 

@@ -218,14 +218,16 @@ class DFlashWorker(SGLangSpecWorker):
         self.stats.record(commit_lens, N)
 
         # [bs, N]: row i emits out_tokens[i, :commit_lens[i]] (its path's drafts, then next_token)
-        out_tokens = torch.cat([tokens.gather(1, paths[:, 1:]), next_token[:, None].expand(-1, N - on_path + 1)], 1)
-        out_tokens.scatter_(1, accept_len[:, None], next_token[:, None])
+        on_path_tokens = torch.cat([tokens.gather(1, paths[:, 1:]), next_token[:, None].expand(-1, N - on_path + 1)], 1)
+        past = torch.arange(N, device=paths.device)[None, :] >= accept_len[:, None]  # next_token there and after
+        out_tokens = torch.where(past, next_token[:, None], on_path_tokens)
         new_seq_lens = prefix_lens + commit_lens
         if batch.return_logprob:  # token j of row i was predicted at node paths[i, j] (logits row i·N + that node)
             from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 
             accept_index = torch.arange(len(paths), device=paths.device)[:, None] * N + paths  # [bs, D+1]
             predict = torch.zeros(len(paths) * N, dtype=torch.long, device=paths.device)
+            # the padding repeats the path's last node, with the same token (next_token) each time
             predict[accept_index.reshape(-1)] = out_tokens[:, :on_path].reshape(-1)
             compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
         logits_output.hidden_states = None

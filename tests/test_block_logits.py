@@ -214,10 +214,10 @@ def test_a_trees_grammar_rows_follow_their_own_paths(json_grammar):
     vocab = len(tok)
     good = tok.encode('{"n": 12}', add_special_tokens=False)
     x = tok.encode("x", add_special_tokens=False)[0]
-    # the root (bonus, already output); 1, 2: good[0] and a forbidden x; 3, 4 under 1: good[1] and x; 5 under 2
-    # (below a forbidden token); 6, 7 under 3: good[2] and x
-    parents = [-1, 0, 0, 1, 1, 2, 3, 3]
-    tokens = [0, good[0], x, good[1], x, good[1], good[2], x]
+    # the root (bonus, already output); 1, 2: a forbidden x, then good[0] (a sibling walked after a rejected one);
+    # 3, 4 under 2: good[1] and x; 5 under 1 (below a forbidden token); 6, 7 under 3: good[2] and x
+    parents = [-1, 0, 0, 2, 2, 1, 3, 3]
+    tokens = [0, x, good[0], good[1], x, good[1], good[2], x]
     grammar = make()
     req = fake_req([])
     req.grammar = grammar
@@ -225,7 +225,7 @@ def test_a_trees_grammar_rows_follow_their_own_paths(json_grammar):
                             sampling_info=SimpleNamespace(logit_bias=None, has_custom_logit_processor=False))
     logits = torch.zeros(1, len(parents), vocab)
     apply_rules(logits, torch.tensor([tokens]), batch, torch.tensor([parents]))
-    for m in (0, 1, 3, 6):  # the nodes every token of whose path the grammar allows
+    for m in (0, 2, 3, 6):  # the nodes every token of whose path the grammar allows
         ref = make()
         for t in tree_path(parents, m):
             ref.accept_token(tokens[t])
@@ -234,7 +234,7 @@ def test_a_trees_grammar_rows_follow_their_own_paths(json_grammar):
         expect = torch.zeros(1, vocab)
         ref.apply_vocab_mask(expect, row)
         assert torch.equal(logits[0, m], expect[0]), f"node {m}"
-    assert all(logits[0, m, x] == float("-inf") for m in (0, 1, 3))  # 2, 4 and 7 can never be accepted
-    assert (logits[0, [2, 4, 5, 7]] == 0).all()  # from a forbidden token down: never emitted, left unconstrained
+    assert all(logits[0, m, x] == float("-inf") for m in (0, 2, 3))  # 1, 4 and 7 can never be accepted
+    assert (logits[0, [1, 4, 5, 7]] == 0).all()  # from a forbidden token down: never emitted, left unconstrained
     assert grammar.accepted_tokens == []
     grammar.accept_token(good[0])

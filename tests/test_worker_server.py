@@ -447,7 +447,7 @@ def test_adaptive_window_is_lossless_and_falls_back_to_decoding(smol, tmp_path):
     # here), at most 4 + 2 steps of more than one row. (With one request a 2-row step costs what a plain one
     # does, within 1 %: the choice there is a tie, either way as fast.)
     costly = {name: b for name, b in buckets.items() if b["seconds"].get("2", 0) > 1.2 * b["seconds"]["1"]}
-    assert costly.keys() >= {"8-15", "16-31"}, buckets
+    assert costly, buckets  # (on this CPU: the buckets of 8-15 and 16-31 requests, 1.4-1.8 times)
     for name, b in costly.items():
         assert b["best"] == 1 and sum(n for k, n in b["chosen"].items() if k != "1") <= 6, (name, b)
     assert windows[1] > 0.6 * sum(windows) and windows[2] >= 1, windows
@@ -499,8 +499,8 @@ def test_tree_verification_is_lossless(smol, smol_base_url, oracle_server, tmp_p
     assert "tree verification of 8 nodes from the top 2 per row" in log.read_text()
     assert_same(outs, refs, "tree of 8 nodes")
     for name, out, ref in ruled:
-        assert out["output_ids"] == ref["output_ids"][:len(out["output_ids"])] and \
-            out["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"], name
+        assert out["output_ids"] == ref["output_ids"], name
+        assert out["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"], name
     assert len(sampled["output_ids"]) == sampled["meta_info"]["completion_tokens"] == 48
     base = requests.post(smol_base_url + "/generate", timeout=600, json=body).json()
     assert with_logprobs["output_ids"] == base["output_ids"]
@@ -567,6 +567,8 @@ BAD_LAUNCHES = {
     "tree with pages": ({}, ("--speculative-eagle-topk", "4", "--page-size", "16"),
                         "--speculative-eagle-topk 4: sglang-dflash's tree verification keeps the accepted path's K/V "
                         "in place by permuting req_to_token, which needs --page-size 1"),
+    "grammar backend": ({}, ("--grammar-backend", "llguidance"), "--grammar-backend llguidance: sglang-dflash's "
+                        "DFLASH worker walks a request's grammar along the drafts"),
     "LoRA": ({}, ("--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all"),
              "sglang-dflash's DFLASH worker does not run LoRA adapters"),
     "missing draft": (None, (), None),  # SGLang reads the draft's config before our checks: its error names the path
