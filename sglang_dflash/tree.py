@@ -181,18 +181,21 @@ def flat_verify_mask(parents: torch.Tensor, prefix_lens: torch.Tensor) -> torch.
     return dense[own[:, None, :].expand(-1, N, -1)]
 
 
-def accept_trees_greedy(tokens: torch.Tensor, parents: torch.Tensor, target_next: torch.Tensor):
+def accept_trees_greedy(tokens: torch.Tensor, parents: torch.Tensor, target_next: torch.Tensor,
+                        anc: torch.Tensor | None = None):
     """tokens, parents, target_next [bs, N] (target_next: the target's greedy token after each node) -> (paths
     [bs, D + 1]: the accepted path's nodes, root first, padded with its last node; accept_len [bs]: the drafts
     accepted, the path's length - 1; next_token [bs]: the target's token after the path). accept_tree_greedy for
     every request at once: a node is accepted when it and each of its ancestors below the root hold the target's
     token after their parent. Siblings hold distinct tokens (distinct ranks of one row), so the accepted nodes
-    form one path, and its deepest node is the one with the most accepted ancestors."""
+    form one path, and its deepest node is the one with the most accepted ancestors. anc [bs, N, N]: the
+    ancestor masks, when the caller has them already."""
     bs = tokens.shape[0]
     root = parents.clamp(min=0)
     match = tokens == target_next.gather(1, root)  # [bs, N]: the node holds the target's choice after its parent
     match[:, 0] = True
-    anc = torch.stack([ancestor_mask(row) for row in parents])  # [bs, N, N]: node i sees ancestor-or-self j
+    if anc is None:  # [bs, N, N]: node i sees ancestor-or-self j
+        anc = torch.stack([ancestor_mask(row) for row in parents])
     accepted = ~(anc & ~match[:, None, :]).any(-1)  # [bs, N]: every ancestor-or-self matches
     depth = anc.sum(-1) - 1  # [bs, N]
     accept_len, last = torch.where(accepted, depth, -1).max(dim=1)  # the deepest accepted node
@@ -245,12 +248,8 @@ def path_order(paths: torch.Tensor, accept_len: torch.Tensor, n: int) -> torch.T
     of the request's req_to_token row takes the slot node order[j] was verified in (page size 1: no K/V moves;
     the other slots stay in the row for the next step)."""
     bs = paths.shape[0]
-    node = torch.arange(n, device=paths.device)
-    on_path = torch.zeros(bs, n, dtype=torch.bool, device=paths.device)
-    valid = torch.arange(paths.shape[1], device=paths.device)[None, :] <= accept_len[:, None]
-    on_path.scatter_(1, torch.where(valid, paths, paths[:, :1]), True)
-    key = torch.full((bs, n), 0, dtype=torch.long, device=paths.device)
-    key.scatter_(1, torch.where(valid, paths, paths[:, :1]),
-                 torch.where(valid, torch.arange(paths.shape[1], device=paths.device)[None, :], 0).expand(bs, -1))
-    key = torch.where(on_path, key, n + node[None, :])  # path nodes by their place on the path, the rest after
+    place = torch.arange(paths.shape[1], device=paths.device)[None, :].expand(bs, -1)  # [bs, D + 1]
+    valid = place <= accept_len[:, None]  # the padding (the last node again) is sent to the root, place 0
+    key = (n + torch.arange(n, device=paths.device)).repeat(bs, 1)  # the other nodes after the path, in order
+    key.scatter_(1, torch.where(valid, paths, 0), torch.where(valid, place, 0))  # path nodes by their place
     return key.argsort(dim=1)

@@ -198,12 +198,13 @@ class DFlashWorker(SGLangSpecWorker):
             rows = self.draft_rows(block_ids, positions, req_to_token, rpi, prefix_lens, self.host_max(batch))
             logprobs = torch.log_softmax(self.head.logits(rows).float(), dim=-1).view(block_ids.shape[0], N - 1, -1)
             tokens, parents, depths = build_trees(logprobs, self.topk, N, bonus)
+            anc = torch.stack([ancestor_mask(row) for row in parents.cpu()]).to(tokens.device)  # [bs, N, N]
         with self.stats.phase("verify"):  # logits [bs, N, V], features [bs, N, F]
             logits_output, logits, features, graphed = self.verify(batch, tokens, prefix_lens[:, None] + depths,
-                                                                   slots, parents)
+                                                                   slots, parents, anc)
         with self.stats.phase("accept"):  # paths [bs, D+1] (root first), accept_len [bs], next_token [bs]
             if sampling is None:
-                paths, accept_len, next_token = accept_trees_greedy(tokens, parents, logits.argmax(-1))
+                paths, accept_len, next_token = accept_trees_greedy(tokens, parents, logits.argmax(-1), anc)
             else:
                 paths, accept_len, next_token = accept_trees_sampled(
                     tokens, parents, self.node_probs(logits, sampling), self.tree_uniforms(sampling, prefix_lens,
@@ -336,13 +337,13 @@ class DFlashWorker(SGLangSpecWorker):
         hidden = self.draft.forward_block(embeds, block_pos, req_to_token, req_pool_indices, prefix_lens, max_prefix)
         return hidden[:, 1:K].reshape(bs * (K - 1), -1)  # one GEMM for the head (a strided 3-D operand: a bmm)
 
-    def verify(self, batch, block_ids, positions, slots, parents=None):
+    def verify(self, batch, block_ids, positions, slots, parents=None, ancestors=None):
         """One target forward over every request's block (TARGET_VERIFY), capturing the hidden states at
         the draft's target layers -> (logits output, logits [bs, K, V], features [bs, K, F], whether it
         replayed the target's CUDA graph). The logits are the ones the non-speculative sampler would see at
         each row: the request's penalties, grammar, logit_bias and custom processors applied as if the drafts
-        before the row were its output. With a tree's parents [bs, K]: row m is node m at its position,
-        seeing its ancestors only (tree.TREE_MASK_ATTR), and its rules follow its own path."""
+        before the row were its output. With a tree's parents [bs, K] and ancestor masks [bs, K, K]: row m is
+        node m at its position, seeing its ancestors only (tree.TREE_MASK_ATTR), and its rules follow its path."""
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
         from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 
@@ -350,9 +351,8 @@ class DFlashWorker(SGLangSpecWorker):
         verify_input = DFlashVerifyInput(draft_token=block_ids.reshape(-1), positions=positions.reshape(-1),
                                          draft_token_num=K, custom_mask=None,
                                          capture_hidden_mode=CaptureHiddenMode.FULL)
-        if parents is not None:  # the CPU engine's verify attention reads it (plugin.torch_native_forward_extend)
-            setattr(verify_input, TREE_MASK_ATTR, torch.stack([ancestor_mask(row) for row in parents.cpu()])
-                    .to(block_ids.device))
+        if ancestors is not None:  # the CPU engine's verify attention reads it (plugin.torch_native_forward_extend)
+            setattr(verify_input, TREE_MASK_ATTR, ancestors)
         # The one place the step writes to the scheduler's batch, as SGLang's own verify does: out_cache_loc
         # is where the verify forward writes the block's K/V (the slots the scheduler reserved). And the
         # attention backends plan a verify batch from the KV length with the block (seq_lens_cpu + K on the
