@@ -37,15 +37,19 @@ cheapest, and measures the next one only while it could still win:
     or below it, and the next one up, which keeps the acceptance of the rows just past the window
     observed) are measured again, so that costs and acceptance follow the load, the prompts and the
     machine; an anchor among them measured only once is measured a second time after `refresh // 16`
-    steps, so that one noisy first step does not decide a bucket's window for `refresh` steps. At most
-    three steps in `refresh` explore (after the confirmations); with the choice at k = 1 that is one
-    2-row step.
+    steps, so that one noisy first step does not decide a bucket's window for `refresh` steps; the anchor
+    below the choice (the cheaper step) is measured again every `refresh // 4` steps, so that a stale, high
+    estimate of it cannot hold a bucket on a slower window (one step in 32 at the lower anchor's speed:
+    a bucket of one request, measured while other requests arrived, then visited again after 80 steps of
+    others, took 2 rows for 11 of its 23 steps in a CI run). With the choice at k = 1 one 2-row step in
+    `refresh` explores.
 
 A step's cost changes within a bucket (its batch sizes differ by up to 2×, the sequences grow, other
-processes share the CPU), and an anchor the policy does not choose is not measured: its cost is stale. So
-an anchor's estimate forgets 1 - WEIGHT of itself for each step of its bucket since it was measured: one
-measured every step moves a quarter of the way to each new step, one re-measured after many steps takes
-the new step's cost almost whole. (With a plain moving average, a 2-row step last measured when the
+processes share the CPU, requests arrive), and an anchor the policy does not choose is not measured: its
+cost is stale. So an anchor's estimate forgets 1 - WEIGHT of itself for each decode step since it was
+measured, of any bucket (the load moves with time, not with one bucket's steps): one measured every step
+moves a quarter of the way to each new step, one re-measured after many steps takes the new step's cost
+almost whole. (With a plain moving average, a 2-row step last measured when the
 load was light looked cheaper than the plain steps of a busier moment, and was taken again and again
 while its estimate crept up a quarter at a time: 28 of 93 steps at 2 rows in one server test.)
 
@@ -64,6 +68,7 @@ interpolated window. Capturing a graph for each anchor would make the small wind
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -77,9 +82,10 @@ WEIGHT = 0.25  # a new step's share in an anchor's cost estimate measured one st
 class Bucket:
     """Measured step seconds at the anchors of one batch-size bucket, and when each was measured."""
     seconds: dict[int, float] = dataclasses.field(default_factory=dict)  # anchor k -> moving average
-    measured_at: dict[int, int] = dataclasses.field(default_factory=dict)  # anchor k -> bucket step count
+    measured_at: dict[int, int] = dataclasses.field(default_factory=dict)  # anchor k -> the policy's step clock
     samples: dict[int, int] = dataclasses.field(default_factory=dict)  # anchor k -> steps measured
     chosen: dict[int, int] = dataclasses.field(default_factory=dict)  # window k -> steps that chose it
+    recent: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=16))  # last k's
     steps: int = 0
 
 
@@ -89,6 +95,8 @@ class AdaptiveWindow:
         self.K = max_window
         self.refresh = refresh
         self.confirm = max(1, refresh // 16)  # an anchor measured once is measured again this many steps later
+        self.recheck = max(1, refresh // 4)  # … and an anchor below the choice once its estimate is this old
+        self.clock = 0  # decode steps chosen, all buckets: the age of an estimate (see the docstring)
         self.anchors_only = anchors_only  # choose among measured anchors only (CUDA graphs: see above)
         powers = {1 << i for i in range(max_window.bit_length()) if 1 << i < max_window}
         self.anchors = sorted(powers | {max_window})  # 1, 2, 4, …, K: climbed from the cheapest
@@ -145,8 +153,10 @@ class AdaptiveWindow:
         """The window of the next decode step at this batch size."""
         bucket = self.buckets.setdefault(self.bucket_of(batch_size), Bucket())
         bucket.steps += 1
+        self.clock += 1
         k = self.next_window(bucket)
         bucket.chosen[k] = bucket.chosen.get(k, 0) + 1
+        bucket.recent.append(k)
         return k
 
     def next_window(self, bucket: Bucket) -> int:
@@ -162,21 +172,23 @@ class AdaptiveWindow:
                 return nxt
         i = measured.index(max(a for a in measured if a <= best))
         for k in measured[max(i - 1, 0): i + 2]:  # the anchor below the choice's, the choice's, the next one up
-            if bucket.steps - bucket.measured_at[k] > (self.refresh if bucket.samples[k] > 1 else self.confirm):
+            limit = self.refresh if bucket.samples[k] > 1 else self.confirm
+            if self.clock - bucket.measured_at[k] > (min(limit, self.recheck) if k < best else limit):
                 return k
         return best
 
     def summary(self) -> dict:
         """What the policy knows, for the stats file: a_j, and per batch-size bucket its steps, each measured
-        anchor's estimated step seconds and times measured, the windows it chose, and the window it would choose
-        now, exploring aside."""
+        anchor's estimated step seconds and times measured, the windows it chose (in all, and its last 16), and
+        the window it would choose now, exploring aside."""
         buckets = {}
         for b, bucket in sorted(self.buckets.items()):
             if bucket.seconds:
                 buckets[f"{1 << (b - 1)}-{(1 << b) - 1}"] = {
                     "steps": bucket.steps, "best": self.best(bucket),
                     "seconds": {k: round(t, 6) for k, t in sorted(bucket.seconds.items())},
-                    "samples": dict(sorted(bucket.samples.items())), "chosen": dict(sorted(bucket.chosen.items()))}
+                    "samples": dict(sorted(bucket.samples.items())), "chosen": dict(sorted(bucket.chosen.items())),
+                    "recent": list(bucket.recent)}
         return {"accept_rate": [round(a, 4) for a in self.accept_rate], "buckets": buckets}
 
     # The step clock. A decode step's wall time runs from its start to the start of the scheduler's next
@@ -199,9 +211,9 @@ class AdaptiveWindow:
         bucket = self.buckets.setdefault(self.bucket_of(batch_size), Bucket())
         old = bucket.seconds.get(k)
         # the estimate forgets 1 - WEIGHT of itself per bucket step since it was measured (see the docstring)
-        weight = 1.0 if old is None else 1 - (1 - WEIGHT) ** max(1, bucket.steps - bucket.measured_at[k])
+        weight = 1.0 if old is None else 1 - (1 - WEIGHT) ** max(1, self.clock - bucket.measured_at[k])
         bucket.seconds[k] = seconds if old is None else old + weight * (seconds - old)
-        bucket.measured_at[k] = bucket.steps
+        bucket.measured_at[k] = self.clock
         bucket.samples[k] = bucket.samples.get(k, 0) + 1
 
     def observe_accepts(self, accept_lens: list[int], k: int) -> None:

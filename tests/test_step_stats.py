@@ -68,5 +68,5 @@ def test_an_adaptive_window_writes_what_it_knows(tmp_path):
         stats.record(torch.ones(5, dtype=torch.long), k, policy)
     written = json.loads(path.read_text())["adaptive_window"]
     assert written["buckets"] == {"4-7": {"steps": 2, "best": 1, "seconds": {"1": 0.1, "2": 0.3},
-                                          "samples": {"1": 1, "2": 1}, "chosen": {"1": 1, "2": 1}}}
+                                          "samples": {"1": 1, "2": 1}, "chosen": {"1": 1, "2": 1}, "recent": [1, 2]}}
     assert written["accept_rate"][0] == 1.0 and written["accept_rate"][1] < 0.1

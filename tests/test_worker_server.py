@@ -442,14 +442,17 @@ def test_adaptive_window_is_lossless_and_falls_back_to_decoding(smol, tmp_path):
     print(f"adaptive window, random draft: decode batches by window { {k: n for k, n in enumerate(windows) if n} }"
           f"; by bucket {buckets}")
     # Where a 2-row step costs more than a plain one (1.4-1.8 times in every bucket of 8 or more requests on this
-    # CPU), the bucket settles on plain decoding: it climbs from 1 to the anchors 2, 4, 8, 16 only while one
-    # could still win, and measures the anchors around its choice once more (none runs `refresh` = 128 steps
-    # here), at most 4 + 2 steps of more than one row. (With one request a 2-row step costs what a plain one
-    # does, within 1 %: the choice there is a tie, either way as fast.)
+    # CPU; 1.0-1.25 times at one request), the bucket settles on plain decoding: of its last 16 steps at most 2
+    # verify more rows (the anchors around the choice measured again). The buckets of 8 or more requests run
+    # after the smaller ones have shown that the draft accepts nothing: they climb from 1 to 2 only, and measure
+    # the anchors around their choice once more (none runs `refresh` = 128 steps here), at most 4 + 2 steps of
+    # more than one row in all. (The bucket of one request runs first, while the acceptance is still unknown:
+    # it may climb to 16 and take larger windows for a few steps, as it should with a draft that might accept.)
     costly = {name: b for name, b in buckets.items() if b["seconds"].get("2", 0) > 1.2 * b["seconds"]["1"]}
-    assert costly, buckets  # (on this CPU: the buckets of 8-15 and 16-31 requests, 1.4-1.8 times)
+    assert {"8-15", "16-31"} & costly.keys(), buckets
     for name, b in costly.items():
-        assert b["best"] == 1 and sum(n for k, n in b["chosen"].items() if k != "1") <= 6, (name, b)
+        assert b["best"] == 1 and sum(k > 1 for k in b["recent"]) <= 2, (name, b)
+        assert int(name.split("-")[0]) < 8 or sum(n for k, n in b["chosen"].items() if k != "1") <= 6, (name, b)
     assert windows[1] > 0.6 * sum(windows) and windows[2] >= 1, windows
 
 
