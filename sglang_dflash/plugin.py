@@ -91,9 +91,6 @@ def handle_dflash_args(original, server_args):
             ((cfg.page_size or 1) > 1, f"keeps the accepted path's K/V in place by permuting req_to_token, which "
              f"needs --page-size 1 (got {cfg.page_size}; with pages the path's K/V must be copied: not written yet)"),
             (cfg.tp_size > 1, "has not been run with tensor parallelism yet: give --tp 1"),
-            (bool(cfg.speculative_adaptive), "uses the fixed node budget --speculative-num-draft-tokens N (the "
-             "adaptive choice between a chain window and a tree budget is not written yet): leave out "
-             "--speculative-adaptive"),
         ]
         for refused, why in tree_refusals:
             if refused:
@@ -114,13 +111,10 @@ def handle_dflash_args(original, server_args):
     # first K-1 of the draft's B-1 proposals (a smaller K costs less per step when the draft's later
     # proposals are rarely accepted). Without it the window is adaptive, 1 … B, chosen each step from
     # measured step times and acceptance (window.py): the fastest setting by default. With it the window
-    # is fixed at K, unless --speculative-adaptive is given too (then adaptive, 1 … K).
+    # is fixed at K, unless --speculative-adaptive is given too (then adaptive, 1 … K). With k > 1 the window
+    # is a tree's node budget N (the root, the bonus token, included), chosen in 1 … N the same way.
     window = cfg.speculative_num_draft_tokens or draft.block_size
-    adaptive = topk == 1 and (bool(cfg.speculative_adaptive) or cfg.speculative_num_draft_tokens is None)
-    if topk > 1:  # with k > 1 the window is a tree's node budget N (the root, the bonus token, included)
-        logger.info("DFLASH tree verification: a tree of %d nodes from the draft's top %d tokens per row each step%s",
-                    window, topk, "" if cfg.speculative_num_draft_tokens else " (the draft's block size: "
-                    "--speculative-num-draft-tokens N sets the budget)")
+    adaptive = bool(cfg.speculative_adaptive) or cfg.speculative_num_draft_tokens is None
     decided = dict(speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=window,
                    speculative_adaptive=adaptive, disable_overlap_schedule=True)
     # SGLang caps every speculative server at 48 running requests. A fixed window keeps that cap; an adaptive one

@@ -16,7 +16,9 @@ depend on k (greedy: the target's tokens; sampling: the target's distribution), 
   - a_j: the fraction of requests that accepted at least j drafts, over the steps that checked more
     than j rows (a step of window k observes a_1 … a_{k-1}), older counts decaying by 1 - RATE for
     each newly observed request (a memory of about 1 / RATE requests, however rarely the row is checked);
-    before any, the prior a_j = PRIOR ** j (one request's worth).
+    before any, the prior a_j = PRIOR ** j (one request's worth). With --speculative-eagle-topk k > 1 the
+    window is a tree's node budget and a_j the fraction whose accepted path holds the tree's j-th node in
+    best-first order (observe_nodes); E(k) is then the tree of k nodes' expected commit.
   - T(bs, k): the measured wall time of decode steps (from one decode step's start to the next
     forward's), per batch-size bucket (1, 2-3, 4-7, 8-15, …), at the anchors k = 1, 2, 4, 8, … and K,
     linear in k between neighbouring measured anchors (k = 1 has no draft forward; above it the draft
@@ -90,9 +92,10 @@ class Bucket:
 
 
 class AdaptiveWindow:
-    def __init__(self, max_window: int, refresh: int = 128, anchors_only: bool = False):
+    def __init__(self, max_window: int, refresh: int = 128, anchors_only: bool = False, chain: bool = True):
         assert max_window >= 2
         self.K = max_window
+        self.chain = chain  # False: the window is a tree's node budget (see observe_nodes)
         self.refresh = refresh
         self.confirm = max(1, refresh // 16)  # an anchor measured once is measured again this many steps later
         self.recheck = max(1, refresh // 4)  # … and an anchor below the choice once its estimate is this old
@@ -119,10 +122,12 @@ class AdaptiveWindow:
         return 1.0 + sum(self.accept_rate[1:k])
 
     def optimistic_tokens(self, k: int) -> float:
-        """E(k) with each a_j at its upper confidence bound, never above the row before it."""
+        """E(k) with each a_j at its upper confidence bound, in a chain never above the row before it (a tree's
+        node j may be a sibling less likely than node j + 1, a child of node 1)."""
         total, bound = 1.0, 1.0
         for j in range(1, k):
-            bound = min(bound, (self.hits[j] + Z) / (self.seen[j] + Z))
+            ucb = (self.hits[j] + Z) / (self.seen[j] + Z)
+            bound = min(bound, ucb) if self.chain else ucb
             total += bound
         return total
 
@@ -217,8 +222,17 @@ class AdaptiveWindow:
         bucket.samples[k] = bucket.samples.get(k, 0) + 1
 
     def observe_accepts(self, accept_lens: list[int], k: int) -> None:
-        """Drafts accepted per request in a step of window k (each 0 … k-1): updates a_1 … a_{k-1}."""
-        keep = (1 - RATE) ** len(accept_lens)
+        """Drafts accepted per request in a chain step of window k (each 0 … k-1): row j was accepted by the
+        requests that accepted at least j drafts."""
+        self.observe_nodes([sum(a >= j for a in accept_lens) for j in range(1, k)], len(accept_lens), k)
+
+    def observe_nodes(self, accepted: list[int], requests: int, k: int) -> None:
+        """accepted[j - 1]: how many of a step's requests accepted node j, for j in 1 … k-1 (a chain's row j, or
+        a tree's j-th node in best-first order) -> a_j. E(k) = 1 + a_1 + … + a_{k-1} holds for trees too: a tree
+        of budget k' < k is the first k' nodes of the tree of budget k (tree.build_tree adds nodes best first,
+        a parent before its children), so a step of budget k shows what every smaller budget would have accepted
+        (as a chain's window k shows the smaller windows; the draft's block differs with k, which both ignore)."""
+        keep = (1 - RATE) ** requests
         for j in range(1, k):
-            self.hits[j] = keep * self.hits[j] + sum(a >= j for a in accept_lens)
-            self.seen[j] = keep * self.seen[j] + len(accept_lens)
+            self.hits[j] = keep * self.hits[j] + accepted[j - 1]
+            self.seen[j] = keep * self.seen[j] + requests

@@ -96,10 +96,15 @@ class DFlashWorker(SGLangSpecWorker):
         logger.info("sglang-dflash %s DFLASH worker: draft %s (%d layers, block %d, target layers %s), %s, "
                     "%s %s, step ops: %s, tp %d (draft heads per rank: %d query, %d kv); %s", __version__,
                     server_args.speculative_draft_model_path, len(self.draft_model.layers), self.block_size,
-                    self.layer_ids, f"tree verification of {self.window} nodes from the top {self.topk} per row"
-                    if self.topk > 1 else f"verify window adaptive 1-{self.window}" if self.adaptive
-                    else f"verify window {self.window}", self.device,
+                    self.layer_ids, self.describe_window(), self.device,
                     self.dtype, step_ops, self.tp_size, attn.h, attn.kvh, self.settings.describe())
+
+    def describe_window(self) -> str:
+        """The start-up line's words for what each step verifies."""
+        if self.topk > 1:
+            budget = f"adaptive 1-{self.window}" if self.adaptive else f"{self.window}"
+            return f"tree verification of {budget} nodes from the top {self.topk} per row"
+        return f"verify window adaptive 1-{self.window}" if self.adaptive else f"verify window {self.window}"
 
     # ---- what the scheduler calls at start-up (the rest: sglang_adapter.py) ----
     def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
@@ -133,9 +138,9 @@ class DFlashWorker(SGLangSpecWorker):
     def decode_step(self, batch):
         from sglang.srt.managers.utils import GenerationBatchResult
 
-        if self.topk > 1:
-            return self.tree_step(batch)
-        K = self.choose_window(batch)  # rows verified per request: the bonus token and K-1 drafts
+        K = self.choose_window(batch)  # rows verified per request: the bonus token and K-1 drafts (a tree: K nodes)
+        if self.topk > 1 and K > 1:
+            return self.tree_step(batch, K)
         prefix_lens = batch.seq_lens.long()  # [bs] committed tokens; the bonus token is not in the KV yet
         req_to_token = batch.req_to_token_pool.req_to_token
         sampling = None if batch.sampling_info.is_all_greedy else batch.sampling_info
@@ -178,16 +183,16 @@ class DFlashWorker(SGLangSpecWorker):
             new_seq_lens=new_seq_lens, next_draft_input=make_draft_input(next_token, new_seq_lens),
             speculative_num_draft_tokens=K, can_run_cuda_graph=graphed)
 
-    def tree_step(self, batch):
+    def tree_step(self, batch, N: int):
         """A decode step that verifies a tree of N nodes (--speculative-eagle-topk k > 1; tree.py): the draft's
         rows 1 … N-1 as distributions -> the best-first tree of the N most likely paths of their top-k tokens ->
         one verify forward, node m at position prefix + depth(m) seeing its ancestors -> the longest root path of
         the target's own tokens (greedy; sampled: drawn from the target's distribution node by node, exact) ->
         its K/V kept where the verify wrote it (page size 1: the window's req_to_token entries permuted, the path
-        first) and its draft context written. The tree has N ≤ B nodes, one verify row each."""
+        first) and its draft context written. The tree has 2 ≤ N ≤ B nodes, one verify row each (a budget of one
+        node is the chain's plain decode step)."""
         from sglang.srt.managers.utils import GenerationBatchResult
 
-        N = self.window
         prefix_lens = batch.seq_lens.long()  # [bs]
         rpi, req_to_token = batch.req_pool_indices, batch.req_to_token_pool.req_to_token
         sampling = None if batch.sampling_info.is_all_greedy else batch.sampling_info
@@ -216,7 +221,10 @@ class DFlashWorker(SGLangSpecWorker):
             on_path = paths.shape[1]
             self.commit(features.gather(1, paths[:, :, None].expand(-1, -1, features.shape[-1])),
                         positions[:, :on_path], kept[:, :on_path], commit_lens)
-        self.stats.record(commit_lens, N)
+        if self.adaptive is not None:  # which nodes each request accepted (paths repeat their last node)
+            taken = torch.zeros_like(tokens, dtype=torch.bool).scatter_(1, paths, True)  # [bs, N]
+            self.adaptive.observe_nodes(taken[:, 1:].sum(0).tolist(), len(paths), N)
+        self.stats.record(commit_lens, N, self.adaptive)
 
         # [bs, N]: row i emits out_tokens[i, :commit_lens[i]] (its path's drafts, then next_token)
         on_path_tokens = torch.cat([tokens.gather(1, paths[:, 1:]), next_token[:, None].expand(-1, N - on_path + 1)], 1)
@@ -265,7 +273,8 @@ class DFlashWorker(SGLangSpecWorker):
         if not (self.spec_args.speculative_adaptive and self.window >= 2):
             return None
         graphs = str(self.device).startswith("cuda") and not self.spec_args.disable_cuda_graph
-        return AdaptiveWindow(self.window, anchors_only=graphs)  # with CUDA graphs: measured anchors only (window.py)
+        # with CUDA graphs: measured anchors only (window.py); with k > 1 the window is the tree's node budget
+        return AdaptiveWindow(self.window, anchors_only=graphs, chain=self.topk == 1)
 
     def choose_window(self, batch) -> int:
         """The step's verify window: K, or when adaptive the one expected to commit the most tokens per second

@@ -270,17 +270,21 @@ def test_no_instrumentation_runs_when_statistics_are_off(make_worker, monkeypatc
     run_steps(worker, batch, [{0: 2, 1: 7, 2: 0, 3: 4}] * 2)
 
 
-def run_tree_steps(worker, batch, plans: list[dict]):
-    """Tree decode steps (topk > 1) with each step's plan; after each, check it against the rule and the tree
-    the step should have built, and carry its result into the batch as the scheduler does."""
+def run_tree_steps(worker, batch, plans: list[dict], budgets: list[int] | None = None):
+    """Tree decode steps (topk > 1) with each step's plan, and node budget (the worker's window, or what its
+    adaptive policy was made to choose: budgets); after each, check it against the rule and the tree the step
+    should have built, and carry its result into the batch as the scheduler does. A budget of one node is a
+    plain decode step: the tree of the root alone."""
     from sglang_dflash.tree import TREE_MASK_ATTR, accept_tree_greedy, ancestor_mask, build_tree
 
-    bs, N = batch.seq_lens.numel(), worker.window
+    bs = batch.seq_lens.numel()
     req_to_token = batch.req_to_token_pool.req_to_token
     accepted_all = []
-    for plan in plans:
+    for step, plan in enumerate(plans):
+        N = worker.window if budgets is None else budgets[step]
         worker.draft.plan = plan
         worker.draft.writes.clear()
+        worker.draft.seen.clear()
         worker._target_worker.verified.clear()
         worker._target_worker.spec_infos.clear()
         prefix = batch.seq_lens.tolist()
@@ -316,8 +320,11 @@ def run_tree_steps(worker, batch, plans: list[dict]):
         assert pos.view(bs, N).tolist() == [(p + t.depths).tolist() for p, (t, _) in zip(prefix, expected)]
         window = [rows_before[batch.req_pool_indices[i], p: p + N] for i, p in enumerate(prefix)]
         assert written.view(bs, N).tolist() == [w.tolist() for w in window]
-        mask = getattr(worker._target_worker.spec_infos[0], TREE_MASK_ATTR)
-        assert torch.equal(mask, torch.stack([ancestor_mask(t.parents) for t, _ in expected]))
+        mask = getattr(worker._target_worker.spec_infos[0], TREE_MASK_ATTR, None)
+        if N > 1:
+            assert torch.equal(mask, torch.stack([ancestor_mask(t.parents) for t, _ in expected]))
+        else:  # the chain's plain step: no draft forward, no tree mask
+            assert mask is None and not worker.draft.seen
 
         # the accepted path's K/V stays where it was written: position prefix + j now holds the slot node path[j]
         # was verified in; the window keeps every one of its slots (the rest for the next step); nothing else moved
@@ -366,3 +373,25 @@ def test_tree_steps_accept_past_a_wrong_first_choice(make_worker, sampled):
     chain = [[next((j for j, s in enumerate(plan[r]) if s), 7) for r in POOL] for plan in TREE_PLANS]
     assert any(a > c for step_a, step_c in zip(accepted, chain) for a, c in zip(step_a, step_c)), (accepted, chain)
     assert all(a >= c for step_a, step_c in zip(accepted, chain) for a, c in zip(step_a, step_c) if c <= 2)
+
+
+def test_an_adaptive_tree_budget_steps_through_the_budgets_it_chooses(make_worker, monkeypatch):
+    """--speculative-eagle-topk 2 with --speculative-adaptive: the policy's budget of each step (made to be 1,
+    4, 8, 2 here) is the tree's node count, 1 a plain decode step; each step is the tree of that budget, checked
+    as the fixed budget's are, and the policy is told which nodes each step's requests accepted (the first N of
+    the best-first order, so the smaller budgets' acceptance too)."""
+    from sglang_dflash.window import AdaptiveWindow
+
+    worker = make_worker(8, 8, 1, TREE_PLANS[0], topk=2)
+    worker.adaptive = policy = AdaptiveWindow(8, chain=False)
+    budgets, observed = [1, 4, 8, 2], []
+    chosen = iter(budgets)
+    monkeypatch.setattr(policy, "choose", lambda bs: next(chosen))
+    monkeypatch.setattr(policy, "observe_nodes", lambda accepted, requests, k: observed.append((accepted, requests, k)))
+    batch = make_batch(PREFIXES, BONUS, POOL, [False] * 4, 1)
+    accepted = run_tree_steps(worker, batch, TREE_PLANS + TREE_PLANS[:1], budgets)
+    assert [k for _, _, k in observed] == budgets and all(n == 4 for _, n, _ in observed)
+    assert observed[0][0] == [] and accepted[0] == [0] * 4  # the plain step: nothing drafted
+    for (nodes, _, N), acc in zip(observed[1:], accepted[1:]):
+        assert len(nodes) == N - 1 and sum(nodes) == sum(acc), (nodes, acc)  # one node per accepted draft
+    assert max(accepted[2]) > 1  # the tree of 8 went deeper than one draft

@@ -226,3 +226,27 @@ def test_a_bucket_visited_again_after_a_while_measures_its_cheaper_anchor_again(
             policy.observe_accepts([0] * bs, k)
             policy.observe_step(bs, k, seconds(bs, k, busy=phase == 0 and k == 1))
     assert sum(k > 1 for k in late) <= 2 and set(late[-16:]) == {1}, late
+
+
+TREE_NODE_ACCEPT = [1.0, 0.7, 0.2, 0.5, 0.15, 0.35, 0.1, 0.25]  # P(node j on the accepted path), best-first order
+
+
+@pytest.mark.parametrize("bs", [1, 16])
+def test_a_tree_budget_settles_where_the_nodes_pay(bs):
+    """--speculative-eagle-topk k > 1: the window is a tree's node budget, and a_j the share of requests whose
+    path holds node j (observe_nodes; not monotone in j: node 2, a sibling of node 1, is less likely than node
+    3, node 1's child). The policy settles on the budget that commits the most tokens per second (8 nodes at
+    one request, 4 at 16), and its E(k) is the tree's."""
+    def expected(k):
+        return 1 + sum(TREE_NODE_ACCEPT[1:k])
+
+    best = max(range(1, 9), key=lambda k: bs * expected(k) / simulated_step_seconds(bs, k))
+    policy, rng, chosen = AdaptiveWindow(8, refresh=64, chain=False), random.Random(0), []
+    for _ in range(400):
+        k = policy.choose(bs)
+        chosen.append(k)
+        policy.observe_nodes([sum(rng.random() < TREE_NODE_ACCEPT[j] for _ in range(bs)) for j in range(1, k)], bs, k)
+        policy.observe_step(bs, k, simulated_step_seconds(bs, k) * rng.uniform(0.9, 1.1))
+    settled = max(set(chosen[200:]), key=chosen[200:].count)
+    assert settled == best, (best, chosen[200:])
+    assert abs(policy.expected_tokens(best) - expected(best)) < 0.25

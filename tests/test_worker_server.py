@@ -477,19 +477,24 @@ def test_speculative_adaptive_with_a_window_adapts_up_to_it(smol, tmp_path):
 
 
 def test_tree_verification_is_lossless(smol, smol_base_url, oracle_server, tmp_path):
-    """--speculative-eagle-topk 2 --speculative-num-draft-tokens 8 with the shipped trained draft: a tree of 8
-    nodes from the top 2 tokens of each draft row, verified in one forward. Greedy output at concurrency 16
-    is the baseline's (float32); so are the requests with penalties, logit_bias and a JSON schema (each node's
-    rules follow its own path) and the logprobs of a greedy request; a sampled request in the same batches
-    completes; no KV slot leaks or is freed twice (the accepted path keeps its slots, the others stay in the
-    row). τ is printed beside the chain's on the same prompts from the trained-draft server of
-    test_smollm2_lossless_float32 (window 16), for the record."""
+    """--speculative-eagle-topk 2 --speculative-num-draft-tokens 8 --speculative-adaptive with the shipped
+    trained draft: each step a tree of 1 … 8 nodes (the policy's choice at the batch's size; 1 a plain decode
+    step) from the top 2 tokens of each draft row, verified in one forward. Greedy output at concurrency 16
+    is the baseline's (float32), whatever budgets the steps took; so are the requests with penalties,
+    logit_bias and a JSON schema (each node's rules follow its own path) and the logprobs of a greedy
+    request; a sampled request in the same batches completes; no KV slot leaks or is freed twice (the accepted
+    path keeps its slots, the others stay in the row). The tree steps accept the draft's proposals, and τ is
+    printed beside the chain's on the same prompts from the trained-draft server of
+    test_smollm2_lossless_float32 (window 16), for the record. (The fixed budget: the statistical tier's
+    tree test, and test_decode_step's.)"""
     inputs, refs = sixteen_of_forty(smol["inputs"]), first_tokens(sixteen_of_forty(smol["base"]), 64)
-    log = tmp_path / "server.log"
-    env = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}  # a leak or a double free, seen when idle, stops it
+    log, stats = tmp_path / "server.log", tmp_path / "stats.json"
+    env = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",  # a leak or a double free, seen when idle, stops it
+           "SGLANG_DFLASH_STATS_FILE": str(stats)}
     body = {"input_ids": smol["inputs"][1], "sampling_params": {"temperature": 0, "max_new_tokens": 40},
             "return_logprob": True, "top_logprobs_num": 3}
-    with sglang_server(smol["path"], *dflash_args(TRAINED_DRAFT, "--speculative-eagle-topk", "2", window=8),
+    with sglang_server(smol["path"], *dflash_args(TRAINED_DRAFT, "--speculative-eagle-topk", "2",
+                                                  "--speculative-adaptive", window=8),
                        env=env, log_path=str(log)) as url:
         with ThreadPoolExecutor(1) as pool:
             sampled = pool.submit(generate, url, inputs[3], temperature=0.8, max_new_tokens=48, ignore_eos=True)
@@ -499,8 +504,8 @@ def test_tree_verification_is_lossless(smol, smol_base_url, oracle_server, tmp_p
                  for (name, ids, params), ref in oracle_server["rules"]]
         with_logprobs = requests.post(url + "/generate", timeout=600, json=body).json()
         assert kv_slots_in_use(url) == 0
-    assert "tree verification of 8 nodes from the top 2 per row" in log.read_text()
-    assert_same(outs, refs, "tree of 8 nodes")
+    assert "tree verification of adaptive 1-8 nodes from the top 2 per row" in log.read_text()
+    assert_same(outs, refs, "trees of up to 8 nodes")
     for name, out, ref in ruled:
         assert out["output_ids"] == ref["output_ids"], name
         assert out["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"], name
@@ -513,9 +518,15 @@ def test_tree_verification_is_lossless(smol, smol_base_url, oracle_server, tmp_p
     for top, top0 in zip(with_logprobs["meta_info"]["output_top_logprobs"], base["meta_info"]["output_top_logprobs"]):
         assert [t[1] for t in top] == [t[1] for t in top0] and all(abs(a[0] - b[0]) < 1e-3 for a, b in zip(top, top0))
     tree_tau = sum(len(o["output_ids"]) - 1 for o in outs) / sum(o["meta_info"]["spec_verify_ct"] for o in outs)
-    print(f"tree of 8 nodes (top 2), trained draft: τ {tree_tau:.2f} over 16 prompts, by request "
-          f"{[round(tau(o), 2) for o in outs]}")
-    assert tree_tau > 1.3  # the draft's proposals are accepted (a random draft's τ is about 1.03)
+    written = json.loads(stats.read_text())
+    by_budget = written["accept_length_histogram_by_window"]  # [N][n]: request steps of N nodes committing n
+    trees = [sum(row) for row in by_budget]
+    committed = sum(n * c for row in by_budget[2:] for n, c in enumerate(row)) / sum(trees[2:])
+    print(f"trees of up to 8 nodes (top 2, adaptive), trained draft: τ {tree_tau:.2f} over 16 prompts, by request "
+          f"{[round(tau(o), 2) for o in outs]}; request steps by budget {trees}, {committed:.2f} tokens per tree "
+          f"step; by bucket {written['adaptive_window']['buckets']}")
+    assert sum(trees[4:]) > 0  # the policy climbed to trees of 4 nodes or more
+    assert committed > 1.3  # the draft's proposals are accepted in the tree steps (a random draft's: about 1.03)
 
 
 def test_tensor_parallel_2_equals_1(smol, oracle_server):
