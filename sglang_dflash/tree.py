@@ -1,5 +1,5 @@
 """Tree verification (DDTree: Ringel & Romano, arXiv 2604.12989) from one draft forward: the tree, its
-mask, and the rules that accept a path of it. Plain torch; the worker does not use it yet (issue 29).
+mask, and the rules that accept a path of it. Plain torch; worker.tree_step runs them (issue 29).
 
 The draft fills its block in one forward, so block row d (d = 1 … B-1) comes with a whole distribution
 over the vocabulary, and that distribution does not depend on which tokens were chosen at rows before d.

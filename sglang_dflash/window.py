@@ -32,19 +32,21 @@ cheapest, and measures the next one only while it could still win:
   - k = 1 first (a plain decode step: what the server would do without speculation);
   - then the next anchor a above the largest measured one p, only if its optimistic value beats the best
     measured window's E(k)/T(k): optimistic in acceptance (each a_j at an upper confidence bound,
-    (hits + Z) / (seen + Z), and never above a row before it, since a_j cannot grow with j) and in cost
+    (hits + Z) / (seen + Z), and in a chain never above a row before it, since a_j cannot grow with j) and in cost
     (a step of a rows costs at least the measured T(p)). A weak draft stops the climb at 2; a strong
     one, or a device where rows are nearly free, climbs to K;
   - every `refresh` steps of a bucket, the anchors around the chosen window (the one below it, the one at
     or below it, and the next one up, which keeps the acceptance of the rows just past the window
     observed) are measured again, so that costs and acceptance follow the load, the prompts and the
     machine; an anchor among them measured only once is measured a second time after `refresh // 16`
-    steps, so that one noisy first step does not decide a bucket's window for `refresh` steps; the anchor
-    below the choice (the cheaper step) is measured again every `refresh // 4` steps, so that a stale, high
+    steps, so that one noisy first step does not decide a bucket's window for `refresh` steps; an anchor
+    below the choice (a cheaper step) is measured again every `refresh // 4` steps, so that a stale, high
     estimate of it cannot hold a bucket on a slower window (one step in 32 at the lower anchor's speed:
     a bucket of one request, measured while other requests arrived, then visited again after 80 steps of
-    others, took 2 rows for 11 of its 23 steps in a CI run). With the choice at k = 1 one 2-row step in
-    `refresh` explores.
+    others, took 2 rows for 11 of its 23 steps in a CI run). Ages count all decode steps (below), so a
+    bucket visited less often than every `refresh // 4` steps measures a lower anchor at each visit: a
+    cost on its few steps, not a slowdown (a lower anchor is a cheaper step; with the choice at 2, a plain
+    one). With the choice at k = 1 one 2-row step in `refresh` explores.
 
 A step's cost changes within a bucket (its batch sizes differ by up to 2×, the sequences grow, other
 processes share the CPU, requests arrive), and an anchor the policy does not choose is not measured: its
@@ -215,7 +217,7 @@ class AdaptiveWindow:
             return
         bucket = self.buckets.setdefault(self.bucket_of(batch_size), Bucket())
         old = bucket.seconds.get(k)
-        # the estimate forgets 1 - WEIGHT of itself per bucket step since it was measured (see the docstring)
+        # the estimate forgets 1 - WEIGHT of itself per decode step since it was measured (see the docstring)
         weight = 1.0 if old is None else 1 - (1 - WEIGHT) ** max(1, self.clock - bucket.measured_at[k])
         bucket.seconds[k] = seconds if old is None else old + weight * (seconds - old)
         bucket.measured_at[k] = self.clock

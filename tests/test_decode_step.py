@@ -279,7 +279,7 @@ def run_tree_steps(worker, batch, plans: list[dict], budgets: list[int] | None =
 
     bs = batch.seq_lens.numel()
     req_to_token = batch.req_to_token_pool.req_to_token
-    accepted_all = []
+    accepted_all, paths_all = [], []
     for step, plan in enumerate(plans):
         N = worker.window if budgets is None else budgets[step]
         worker.draft.plan = plan
@@ -307,6 +307,7 @@ def run_tree_steps(worker, batch, plans: list[dict], budgets: list[int] | None =
             expected.append((tree, path))
         commit = [len(path) for _, path in expected]
         accepted_all.append([c - 1 for c in commit])
+        paths_all.append([path for _, path in expected])
         assert res.speculative_num_draft_tokens == N and res.accept_lens.tolist() == commit
         assert res.new_seq_lens.tolist() == [p + c for p, c in zip(prefix, commit)]
         out = res.next_token_ids.view(bs, N)
@@ -350,7 +351,7 @@ def run_tree_steps(worker, batch, plans: list[dict], budgets: list[int] | None =
         batch.seq_lens_cpu = res.new_seq_lens.clone()
         batch.seq_lens_sum = int(res.new_seq_lens.sum())
         batch.spec_info = res.next_draft_input
-    return accepted_all
+    return accepted_all, paths_all
 
 
 TREE_PLANS = [  # per request (pool row): for block rows 1 … 7, whether the rule's token is the second candidate
@@ -369,7 +370,7 @@ def test_tree_steps_accept_past_a_wrong_first_choice(make_worker, sampled):
     and the draft context written."""
     worker = make_worker(8, 8, 1, TREE_PLANS[0], topk=2)
     batch = make_batch(PREFIXES, BONUS, POOL, sampled, 1)
-    accepted = run_tree_steps(worker, batch, TREE_PLANS)
+    accepted, _ = run_tree_steps(worker, batch, TREE_PLANS)
     chain = [[next((j for j, s in enumerate(plan[r]) if s), 7) for r in POOL] for plan in TREE_PLANS]
     assert any(a > c for step_a, step_c in zip(accepted, chain) for a, c in zip(step_a, step_c)), (accepted, chain)
     assert all(a >= c for step_a, step_c in zip(accepted, chain) for a, c in zip(step_a, step_c) if c <= 2)
@@ -389,9 +390,9 @@ def test_an_adaptive_tree_budget_steps_through_the_budgets_it_chooses(make_worke
     monkeypatch.setattr(policy, "choose", lambda bs: next(chosen))
     monkeypatch.setattr(policy, "observe_nodes", lambda accepted, requests, k: observed.append((accepted, requests, k)))
     batch = make_batch(PREFIXES, BONUS, POOL, [False] * 4, 1)
-    accepted = run_tree_steps(worker, batch, TREE_PLANS + TREE_PLANS[:1], budgets)
+    accepted, paths = run_tree_steps(worker, batch, TREE_PLANS + TREE_PLANS[:1], budgets)
     assert [k for _, _, k in observed] == budgets and all(n == 4 for _, n, _ in observed)
     assert observed[0][0] == [] and accepted[0] == [0] * 4  # the plain step: nothing drafted
-    for (nodes, _, N), acc in zip(observed[1:], accepted[1:]):
-        assert len(nodes) == N - 1 and sum(nodes) == sum(acc), (nodes, acc)  # one node per accepted draft
+    for (nodes, _, N), step_paths in zip(observed, paths):  # node j: the requests whose path holds it
+        assert nodes == [sum(j in path for path in step_paths) for j in range(1, N)], (nodes, step_paths)
     assert max(accepted[2]) > 1  # the tree of 8 went deeper than one draft
