@@ -33,24 +33,10 @@ TIERS = {
 }
 pytest_plugins = ["shared_servers"]  # the SmolLM2 servers the session shares
 
-# `--shard 1/2` and `--shard 2/2`: the halves that `bash launch/test.sh` (CI) runs at once, one thread each, after
-# the unit and process tiers. Modules stay whole (their servers are module- or session-scoped); the first half
-# is test_worker_server.py, about as long as the other modules together (CI, 2026-12-07, one after the other:
-# about 2,150 s against 1,950 s; the second half also starts its own session servers).
-SHARD_ONE = {"test_worker_server.py"}
-
-
-def pytest_addoption(parser):
-    parser.addoption("--shard", default=None, metavar="I/2",
-                     help="run one of the two halves launch/test.sh runs at once: 1/2 or 2/2 (tests/conftest.py)")
-
 
 def pytest_configure(config):
     for name, what in TIERS.items():
         config.addinivalue_line("markers", f"{name}: {what}")
-    shard = config.getoption("--shard")
-    if shard not in (None, "1/2", "2/2"):
-        raise pytest.UsageError(f"--shard {shard}: give 1/2 or 2/2")
 
 
 def tier(item) -> str:
@@ -65,12 +51,6 @@ def pytest_collection_modifyitems(config, items):
     """Every test in one tier; the tiers run in TIERS' order (module order kept within a tier)."""
     order = list(TIERS)
     items.sort(key=lambda item: order.index(tier(item)))
-    shard = config.getoption("--shard")
-    if shard is not None:
-        first = shard == "1/2"
-        keep = [item for item in items if (item.path.name in SHARD_ONE) == first]
-        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
-        items[:] = keep
 
 
 def random_draft(target_config, name: str, seed: int = 0):
