@@ -35,7 +35,7 @@ cheapest, and measures the next one only while it could still win:
     (hits + Z) / (seen + Z), and in a chain never above a row before it, since a_j cannot grow with j) and in cost
     (a step of a rows costs at least the measured T(p)). A weak draft stops the climb at 2; a strong
     one, or a device where rows are nearly free, climbs to K;
-  - every `refresh` steps of a bucket, the anchors around the chosen window (the one below it, the one at
+  - every `refresh` decode steps, the anchors around a bucket's chosen window (the one below it, the one at
     or below it, and the next one up, which keeps the acceptance of the rows just past the window
     observed) are measured again, so that costs and acceptance follow the load, the prompts and the
     machine; an anchor among them measured only once is measured a second time after `refresh // 16`
@@ -45,8 +45,8 @@ cheapest, and measures the next one only while it could still win:
     a bucket of one request, measured while other requests arrived, then visited again after 80 steps of
     others, took 2 rows for 11 of its 23 steps in a CI run). Ages count all decode steps (below), so a
     bucket visited less often than every `refresh // 4` steps measures a lower anchor at each visit: a
-    cost on its few steps, not a slowdown (a lower anchor is a cheaper step; with the choice at 2, a plain
-    one). With the choice at k = 1 one 2-row step in `refresh` explores.
+    cost on its few steps, and never a step slower than plain decoding (a lower anchor is a cheaper step;
+    with the choice at 2, a plain one). With the choice at k = 1 one 2-row step in `refresh` explores.
 
 A step's cost changes within a bucket (its batch sizes differ by up to 2×, the sequences grow, other
 processes share the CPU, requests arrive), and an anchor the policy does not choose is not measured: its
