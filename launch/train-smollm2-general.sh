@@ -10,6 +10,7 @@
 #                                                             side by side (a core each) for MINUTES, from the target
 #   bash launch/train-smollm2-general.sh fit [ARGS]           the general draft, from the GSM8K-only stage-7 draft
 #                                                             (resumes; ARGS go to `sglang-dflash train`, e.g. --stop-at N)
+#   bash launch/train-smollm2-general.sh evaluate DRAFT JSON  eval-draft on 64 prompts of each evaluation set
 #
 # The responses are kept in git as shards, data/smollm2-general/responses-NNN.jsonl.gz (about 1 byte per
 # token, gzip), because regenerating them takes hours of this CPU (~150 tok/s) and a work folder does not
@@ -106,11 +107,19 @@ fit() {
     --save-every 100 --workers 2 --out "$WORK-draft" --work "$WORK" "$@"
 }
 
+evaluate() {  # greedy acceptance (replayed), float32, 256 new tokens, on prompts no training run saw
+  "$ROOT/.venv/bin/sglang-dflash" eval-draft --target "$TARGET" --draft "$1" --prompts "$SHARED/gsm8k_test.jsonl" \
+    "$SHARED/humaneval.jsonl" "$SHARED/mt_bench.jsonl" sharegpt-heldout --num-prompts 64 --max-new-tokens 256 \
+    --json "$2"
+}
+
 case "${1:-}" in
   regenerate) regenerate "${2:?regenerate MINUTES}" ;;
   pack) pack ;;
   features) features ;;
   shape) shape "${2:?shape MINUTES}" ;;
   fit) shift; fit "$@" ;;
-  *) echo "usage: $0 regenerate MINUTES | pack | features | shape MINUTES | fit [ARGS]" >&2; exit 2 ;;
+  evaluate) evaluate "${2:?evaluate DRAFT JSON}" "${3:?evaluate DRAFT JSON}" ;;
+  *) echo "usage: $0 regenerate MINUTES | pack | features | shape MINUTES | fit [ARGS] | evaluate DRAFT JSON" >&2
+     exit 2 ;;
 esac
