@@ -25,6 +25,12 @@ SHARDS="$ROOT/data/smollm2-general"
 TARGET="$HOME_DIR/fixtures/smollm2"
 PY="$ROOT/.venv/bin/python"
 
+# the training mix: its prompts, in the order the regeneration takes them, and the settings its responses and
+# features were made with; every phase below passes the same (the variants file's name is part of the mix's seed)
+VARIANTS="$WORK/gsm8k_train-variants-seed1.jsonl"
+mix=(--target "$TARGET" --prompts sharegpt=0.7 "$SHARED/gsm8k_train.jsonl=0.15" "$VARIANTS=0.15"
+  --num-prompts 60000 --max-new-tokens 256 --mask-token-id 16 --block-size 16 --feature-dtype float32)
+
 pack() {  # the responses in the work folder that no shard holds -> the next shard
   "$PY" -m sglang_dflash.train.shards pack "$SHARDS" "$WORK/responses.jsonl"
 }
@@ -33,27 +39,21 @@ regenerate() {
   local minutes="$1"
   mkdir -p "$WORK"
   [ -d "$TARGET" ] || "$ROOT/.venv/bin/sglang-dflash" prepare-target smollm2 --out "$TARGET"
-  variants="$WORK/gsm8k_train-variants-seed1.jsonl"  # the name is part of the mix's seed: keep it
-  [ -f "$variants" ] || "$ROOT/.venv/bin/sglang-dflash" prompt-variants --prompts "$SHARED/gsm8k_train.jsonl" \
-    --copies 1 --seed 1 --out "$variants"
+  [ -f "$VARIANTS" ] || "$ROOT/.venv/bin/sglang-dflash" prompt-variants --prompts "$SHARED/gsm8k_train.jsonl" \
+    --copies 1 --seed 1 --out "$VARIANTS"
   # the committed shards first: the recipe skips every prompt that has a response
   "$PY" -m sglang_dflash.train.shards load "$SHARDS" "$WORK/responses.jsonl"
   local rc=0
   # stopped after MINUTES with SIGTERM (SIGINT is ignored by a background job): the batch in flight is lost,
   # every finished one is in the work folder
-  timeout "${minutes}m" "$ROOT/.venv/bin/sglang-dflash" train --target "$TARGET" \
-    --prompts sharegpt=0.7 "$SHARED/gsm8k_train.jsonl=0.15" "$variants=0.15" --num-prompts 60000 \
-    --until regenerate --max-new-tokens 256 --mask-token-id 16 --num-layers 3 --block-size 16 \
-    --generator hf --gen-dtype float32 --gen-concurrency 128 --feature-dtype float32 \
-    --out "$WORK-draft" --work "$WORK" || rc=$?
+  timeout "${minutes}m" "$ROOT/.venv/bin/sglang-dflash" train "${mix[@]}" --until regenerate --num-layers 3 \
+    --generator hf --gen-dtype float32 --gen-concurrency 128 --out "$WORK-draft" --work "$WORK" || rc=$?
   [ "$rc" = 0 ] || [ "$rc" = 124 ] || exit "$rc"  # 124: stopped by the time limit
   pack
 }
 
-# the mix's prompts as the regeneration asked for them, answered by the responses in the work folder
-trained_on_responses=(--target "$TARGET" --prompts sharegpt=0.7 "$SHARED/gsm8k_train.jsonl=0.15"
-  "$WORK/gsm8k_train-variants-seed1.jsonl=0.15" --num-prompts 60000 --no-regenerate --max-new-tokens 256
-  --mask-token-id 16 --block-size 16 --feature-dtype float32)
+# the mix's prompts answered by the responses already in the work folder: no new ones
+trained_on_responses=("${mix[@]}" --no-regenerate)
 
 features() {  # the target's states at layers 1, 14, 27 for every response (captured ones are taken as they are)
   "$ROOT/.venv/bin/sglang-dflash" train "${trained_on_responses[@]}" --num-layers 3 --until features \
