@@ -88,8 +88,6 @@ def handle_dflash_args(original, server_args):
             (not device.startswith("cpu"), "has not run on a GPU yet (its verify must not replay "
              "the chain's CUDA graph, and SGLang's CUDA backends must read its custom mask: "
              "docs/tree-verification-plan.md, step 4): run it on a CPU or verify the chain (k = 1)"),
-            ((cfg.page_size or 1) > 1, f"keeps the accepted path's K/V in place by permuting req_to_token, which "
-             f"needs --page-size 1 (got {cfg.page_size}; with pages the path's K/V must be copied: not written yet)"),
             (cfg.tp_size > 1, "has not been run with tensor parallelism yet: give --tp 1"),
         ]
         for refused, why in tree_refusals:

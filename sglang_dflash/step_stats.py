@@ -1,6 +1,7 @@
 """What the DFLASH worker counts about its decode steps, for benchmarks: tokens committed per verify step (by
 the window verified, so that per-row acceptance counts only the steps that reached a row), the window each
-decode batch verified, the adaptive window's estimates (window.py, when the window is adaptive), and (when
+decode batch verified, the tree steps' requests whose accepted path went beyond the draft's chain of first
+choices, the adaptive window's estimates (window.py, when the window is adaptive), and (when
 profiling) the wall time of each step phase. Off (the
 default) it is NO_STATS, whose phase() is a null context and record() does nothing: the step pays nothing.
 
@@ -27,6 +28,9 @@ class NoStats:
     def record(self, commit_lens: torch.Tensor, K: int, window_policy=None) -> None:
         pass
 
+    def record_tree(self, tokens, depths, logprobs, paths, accept_len) -> None:
+        pass
+
 
 NO_STATS = NoStats()
 
@@ -39,6 +43,7 @@ class StepStats(NoStats):
         self.accept_hist = torch.zeros(max_window + 1, max_window + 1, dtype=torch.long)
         self.window_hist = [0] * (max_window + 1)  # index k: decode batches that verified k rows per request
         self.decode_batches = 0
+        self.beyond_chain = 0  # tree steps' requests whose accepted path took a row's second or later choice
         self.phase_seconds: dict[str, float] = {}
         cuda = str(device) != "cpu" and torch.cuda.is_available()
         self.sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -54,6 +59,16 @@ class StepStats(NoStats):
         self.sync()
         self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + time.perf_counter() - t0
 
+    def record_tree(self, tokens, depths, logprobs, paths, accept_len) -> None:
+        """A tree step (before its record()): tokens, depths [bs, N], the draft's logprobs [bs, N-1, V], the accepted
+        paths [bs, D+1] and accept_len [bs]; counts the requests whose path went beyond the draft's chain of first
+        choices (a node whose token is not its row's argmax), where the tree accepted what the chain could not."""
+        first = torch.cat([tokens[:, :1], logprobs.argmax(-1)], dim=1)  # [bs, N]: by depth, the root's own token
+        first_choice = tokens == first.gather(1, depths)  # [bs, N]
+        place = torch.arange(paths.shape[1], device=paths.device)[None, :]
+        beyond = ~first_choice.gather(1, paths) & (place <= accept_len[:, None])  # [bs, D+1]
+        self.beyond_chain += int(beyond.any(1).sum())
+
     def record(self, commit_lens: torch.Tensor, K: int, window_policy=None) -> None:
         """One decode step: commit_lens [bs] tokens committed per request, K rows verified per request; the
         adaptive window's state (window.AdaptiveWindow.summary) when it chose K."""
@@ -65,6 +80,7 @@ class StepStats(NoStats):
             json.dump({"accept_length_histogram": self.accept_hist.sum(0).tolist(),
                        "accept_length_histogram_by_window": self.accept_hist.tolist(),
                        "decode_batches": self.decode_batches, "window_histogram": self.window_hist,
+                       "tree_requests_beyond_the_chain": self.beyond_chain,
                        **({"phase_seconds": self.phase_seconds} if self.profile else {}),
                        **({"adaptive_window": window_policy.summary()} if window_policy is not None else {})}, f)
         os.replace(tmp, self.path)

@@ -36,7 +36,7 @@ prefix … prefix+N-1 are permuted by path_order, so that position prefix + j ho
 j-th node. The other nodes' slots stay in the row, after the path, as the chain's unaccepted rows do: the
 next step's block reuses them and the request's release frees them, once (freeing them here would free
 them twice). With pages of more than one slot a row must stay page-aligned, so there the path's K/V is
-copied to the slots of positions prefix … prefix + len(path) - 1 instead (not written yet).
+copied to the slots of positions prefix … prefix + len(path) - 1 instead (worker.keep_path).
 
 Sampling: at the current node draw x from the target's distribution p there; if a child holds x, move to it
 and go on, else x is the next token and the walk ends. That is recursive rejection over the children with

@@ -188,9 +188,8 @@ class DFlashWorker(SGLangSpecWorker):
         rows 1 … N-1 as distributions -> the best-first tree of the N most likely paths of their top-k tokens ->
         one verify forward, node m at position prefix + depth(m) seeing its ancestors -> the longest root path of
         the target's own tokens (greedy; sampled: drawn from the target's distribution node by node, exact) ->
-        its K/V kept where the verify wrote it (page size 1: the window's req_to_token entries permuted, the path
-        first) and its draft context written. The tree has 2 ≤ N ≤ B nodes, one verify row each (a budget of one
-        node is the chain's plain decode step)."""
+        its K/V at the committed positions (keep_path) and its draft context written. The tree has 2 ≤ N ≤ B
+        nodes, one verify row each (a budget of one node is the chain's plain decode step)."""
         from sglang.srt.managers.utils import GenerationBatchResult
 
         prefix_lens = batch.seq_lens.long()  # [bs]
@@ -215,15 +214,15 @@ class DFlashWorker(SGLangSpecWorker):
                     tokens, parents, self.node_probs(logits, sampling), self.tree_uniforms(sampling, prefix_lens,
                                                                                            int(depths.max()) + 1))
         commit_lens = accept_len + 1
-        with self.stats.phase("commit"):
-            kept = slots.gather(1, path_order(paths, accept_len, N))  # position prefix + j's slot from now on
-            req_to_token[rpi[:, None].long(), positions] = kept.to(req_to_token.dtype)
-            on_path = paths.shape[1]
+        on_path = paths.shape[1]
+        with self.stats.phase("commit"):  # the path's K/V at positions prefix … prefix + accept_len, then its context
+            kept = self.keep_path(req_to_token, rpi, positions, slots, paths, accept_len)  # [bs, on_path]
             self.commit(features.gather(1, paths[:, :, None].expand(-1, -1, features.shape[-1])),
-                        positions[:, :on_path], kept[:, :on_path], commit_lens)
+                        positions[:, :on_path], kept, commit_lens)
         if self.adaptive is not None:  # which nodes each request accepted (paths repeat their last node)
             taken = torch.zeros_like(tokens, dtype=torch.bool).scatter_(1, paths, True)  # [bs, N]
             self.adaptive.observe_nodes(taken[:, 1:].sum(0).tolist(), len(paths), N)
+        self.stats.record_tree(tokens, depths, logprobs, paths, accept_len)
         self.stats.record(commit_lens, N, self.adaptive)
 
         # [bs, N]: row i emits out_tokens[i, :commit_lens[i]] (its path's drafts, then next_token)
@@ -244,6 +243,28 @@ class DFlashWorker(SGLangSpecWorker):
             logits_output=logits_output, next_token_ids=out_tokens.reshape(-1), accept_lens=commit_lens.to(torch.int32),
             new_seq_lens=new_seq_lens, next_draft_input=make_draft_input(next_token, new_seq_lens),
             speculative_num_draft_tokens=N, can_run_cuda_graph=graphed)
+
+    def keep_path(self, req_to_token, rpi, positions, slots, paths, accept_len) -> torch.Tensor:
+        """Put each request's accepted path where the next steps read the committed tokens: the K/V the verify wrote
+        for path node paths[i, j] becomes position prefix + j's -> the slots of positions prefix … prefix + D
+        [bs, D+1] from now on.
+        Page size 1: the window's req_to_token entries are permuted, the path's slots first (no K/V moves); the
+        other slots stay in the row for the next step, as the chain's unaccepted rows do.
+        Pages of more than one slot: a row must stay page-aligned (the allocator frees whole pages, the radix cache
+        keeps page-aligned prefixes), so node paths[i, j]'s K/V is copied, in every layer, to the slot of position
+        prefix + j (SGLang's pool.move_kv_cache), in path order: paths[i, j] ≥ j and increases along the path, so
+        no copy reads a slot that an earlier copy of the request wrote, and each reads its node before a later
+        one writes there."""
+        N, on_path = slots.shape[1], paths.shape[1]
+        if self.page_size == 1:
+            kept = slots.gather(1, path_order(paths, accept_len, N))  # position prefix + j's slot from now on
+            req_to_token[rpi[:, None].long(), positions] = kept.to(req_to_token.dtype)
+            return kept[:, :on_path]
+        place = torch.arange(on_path, device=paths.device)[None, :]
+        moved = (place <= accept_len[:, None]) & (paths != place)  # [bs, D+1] accepted nodes off the first places
+        dst, src = slots[:, :on_path], slots.gather(1, paths)  # row-major: each request's copies in path order
+        self.model_runner.token_to_kv_pool.move_kv_cache(dst[moved], src[moved])
+        return dst
 
     @staticmethod
     def node_probs(logits, info):
@@ -362,7 +383,8 @@ class DFlashWorker(SGLangSpecWorker):
                                          capture_hidden_mode=CaptureHiddenMode.FULL)
         if ancestors is not None:  # the CPU engine's verify attention reads it (plugin.torch_native_forward_extend)
             setattr(verify_input, TREE_MASK_ATTR, ancestors)
-        # The one place the step writes to the scheduler's batch, as SGLang's own verify does: out_cache_loc
+        # The one place the step writes to the scheduler's batch, as SGLang's own verify does (its pools are written
+        # by the forward and, for a tree step, by keep_path): out_cache_loc
         # is where the verify forward writes the block's K/V (the slots the scheduler reserved). And the
         # attention backends plan a verify batch from the KV length with the block (seq_lens_cpu + K on the
         # host: FlashInfer's CUDA-graph plan reads it; the device side adds K itself), so the host lengths

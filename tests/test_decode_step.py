@@ -87,10 +87,25 @@ class StubTreeDraft(StubDraft):
         return hidden
 
 
-class StubTarget:
-    """The target worker's verify forward: logits of the rule at each row; features (token, position)."""
+class StubPool:
+    """The target's KV pool: one row per slot, the (token, position) whose K/V the slot holds; SGLang's
+    move_kv_cache(tgt, src) copies rows, every source read before any target is written, as its kernels do."""
 
-    def __init__(self):
+    def __init__(self, num_slots: int):
+        self.kv = torch.full((num_slots, 2), -1)
+        self.moves = []  # (tgt, src) per call
+
+    def move_kv_cache(self, tgt_loc, src_loc):
+        self.moves.append((tgt_loc.clone(), src_loc.clone()))
+        self.kv[tgt_loc.long()] = self.kv[src_loc.long()]
+
+
+class StubTarget:
+    """The target worker's verify forward: logits of the rule at each row; features (token, position), which
+    it also writes to the KV pool at the rows' slots."""
+
+    def __init__(self, pool: StubPool):
+        self.pool = pool
         self.verified = []  # (input ids [N], positions [N], slots written [N])
         self.spec_infos = []  # the verify inputs
 
@@ -99,6 +114,7 @@ class StubTarget:
         ids, pos = forward_batch.input_ids, forward_batch.positions
         self.verified.append((ids.clone(), pos.clone(), forward_batch.out_cache_loc.clone()))
         self.spec_infos.append(forward_batch.spec_info)
+        self.pool.kv[forward_batch.out_cache_loc.long()] = torch.stack([ids, pos], dim=1)
         logits = torch.full((ids.numel(), V), -SCALE)
         logits[torch.arange(ids.numel()), rule(ids, pos)] = 0.0
         hidden = torch.stack([ids.float(), pos.float()], dim=1)  # [N, F = 2]
@@ -128,14 +144,19 @@ def make_worker(monkeypatch):
         embed = torch.nn.Embedding(V, V)
         embed.weight.data = torch.eye(V)
         draft = StubDraft(plan, block_size) if topk == 1 else StubTreeDraft(plan, block_size)
+        pool = StubPool(SLOTS)
         w.__dict__.update(
-            _target_worker=StubTarget(), server_args=None, device="cpu", dtype=torch.float32, block_size=block_size,
+            _target_worker=StubTarget(pool), model_runner=SimpleNamespace(token_to_kv_pool=pool), server_args=None,
+            device="cpu", dtype=torch.float32, block_size=block_size,
             window=window, config=SimpleNamespace(mask_token_id=MASK), page_size=page_size, embed=embed,
             head=DraftHead(torch.eye(V) * (SCALE if topk == 1 else TREE_SCALE), V), draft=draft, tp_size=1,
             adaptive=None, stats=NO_STATS, warned_custom=False, topk=topk)
         return w
 
     return make
+
+
+SLOTS = 1000 * 16 + 4 * 128  # the KV pool's slots: make_batch's for up to 4 request rows, pages of up to 16
 
 
 def make_batch(prefix_lens, bonus, pool_indices, sampled, page_size, width=128):
@@ -327,16 +348,30 @@ def run_tree_steps(worker, batch, plans: list[dict], budgets: list[int] | None =
         else:  # the chain's plain step: no draft forward, no tree mask
             assert mask is None and not worker.draft.seen
 
-        # the accepted path's K/V stays where it was written: position prefix + j now holds the slot node path[j]
-        # was verified in; the window keeps every one of its slots (the rest for the next step); nothing else moved
+        # the accepted path's K/V at the committed positions. Page size 1: it stays where it was written, position
+        # prefix + j now holds the slot node path[j] was verified in; the window keeps every one of its slots (the
+        # rest for the next step); nothing else moved. Pages: req_to_token is untouched and the K/V is copied.
+        pool, moves = worker.model_runner.token_to_kv_pool, worker.model_runner.token_to_kv_pool.moves
         after = req_to_token.clone()
-        for i, p in enumerate(prefix):
-            r = int(batch.req_pool_indices[i])
-            path = expected[i][1]
-            assert after[r, p: p + len(path)].tolist() == window[i][path].tolist()
-            assert sorted(after[r, p: p + N].tolist()) == sorted(window[i].tolist())
-            after[r, p: p + N] = rows_before[r, p: p + N]
+        if worker.page_size == 1:
+            for i, p in enumerate(prefix):
+                r = int(batch.req_pool_indices[i])
+                path = expected[i][1]
+                assert after[r, p: p + len(path)].tolist() == window[i][path].tolist()
+                assert sorted(after[r, p: p + N].tolist()) == sorted(window[i].tolist())
+                after[r, p: p + N] = rows_before[r, p: p + N]
+            assert not moves
+        else:  # one copy per step, of the accepted nodes that are not at their place already
+            assert len(moves) == step + 1
+            tgt, src = moves[-1]
+            want = [(int(w[j]), int(w[node])) for w, (_, path) in zip(window, expected)
+                    for j, node in enumerate(path) if node != j]
+            assert list(zip(tgt.tolist(), src.tolist())) == want
         assert torch.equal(after, rows_before)
+        for i, p in enumerate(prefix):  # each committed position's slot holds its token's K/V, at its position
+            want = truth(bonus[i], p, commit[i])
+            assert [pool.kv[slot_of(batch, i, p + j)].tolist() for j in range(commit[i])] == \
+                [[want[j], p + j] for j in range(commit[i])], (i, expected[i][1])
 
         # the draft context: exactly positions prefix … prefix + accepted, at their new slots, with the features
         # (token, position) of the path's nodes as the verify computed them
@@ -361,16 +396,19 @@ TREE_PLANS = [  # per request (pool row): for block rows 1 … 7, whether the ru
 ]
 
 
+@pytest.mark.parametrize("page", [1, 4])
 @pytest.mark.parametrize("sampled", [[False] * 4, [True, False, True, False]])
-def test_tree_steps_accept_past_a_wrong_first_choice(make_worker, sampled):
+def test_tree_steps_accept_past_a_wrong_first_choice(make_worker, sampled, page):
     """--speculative-eagle-topk 2 with 8 nodes: three steps of four requests, greedy, and sampled beside greedy
-    (the stub target's distributions are point masses: exact for both). Where the rule's token is a row's second
-    candidate, the chain of first choices would stop there; the tree goes on past it when its budget holds that
-    branch. Checked per step: the tree built, the verify rows, the tokens and lengths, the KV slots kept in place
+    (the stub target's distributions are point masses: exact for both), with pages of 1 and 4 slots. Where the
+    rule's token is a row's second candidate, the chain of first choices would stop there; the tree goes on past
+    it when its budget holds that branch. Checked per step: the tree built, the verify rows, the tokens and
+    lengths, the path's K/V at the committed positions (page size 1: its slots permuted into place; pages: copied)
     and the draft context written."""
-    worker = make_worker(8, 8, 1, TREE_PLANS[0], topk=2)
-    batch = make_batch(PREFIXES, BONUS, POOL, sampled, 1)
-    accepted, _ = run_tree_steps(worker, batch, TREE_PLANS)
+    worker = make_worker(8, 8, page, TREE_PLANS[0], topk=2)
+    batch = make_batch(PREFIXES, BONUS, POOL, sampled, page)
+    accepted, paths = run_tree_steps(worker, batch, TREE_PLANS)
+    assert any(list(path) != list(range(len(path))) for step in paths for path in step)  # some path had to move
     chain = [[next((j for j, s in enumerate(plan[r]) if s), 7) for r in POOL] for plan in TREE_PLANS]
     assert any(a > c for step_a, step_c in zip(accepted, chain) for a, c in zip(step_a, step_c)), (accepted, chain)
     assert all(a >= c for step_a, step_c in zip(accepted, chain) for a, c in zip(step_a, step_c) if c <= 2)
