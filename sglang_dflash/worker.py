@@ -34,6 +34,7 @@ import torch
 from sglang_dflash import __version__, block_logits
 from sglang_dflash.accept import (SALT_DRAFT, SALT_TREE, accept_greedy, accept_sampled_rows, filtered_probs,
                                    sample_inverse_cdf, seeded_uniform)
+from sglang_dflash.block import make_block
 from sglang_dflash.config import load_checked
 from sglang_dflash.cpu import gemm
 from sglang_dflash.draft_head import DraftHead
@@ -355,14 +356,12 @@ class DFlashWorker(SGLangSpecWorker):
         return tokens, q
 
     def draft_rows(self, block_ids, positions, req_to_token, req_pool_indices, prefix_lens, max_prefix=None):
-        """The draft's hidden states at block rows 1 … K-1 -> [bs·(K-1), H], from one non-causal forward over the
-        whole block of B positions (the shape the draft was trained on) given the window's block_ids [bs, K]
-        (bonus, MASK, …) at positions [bs, K]."""
+        """The draft's hidden states at block rows 1 … K-1 -> [bs·(K-1), H], from one non-causal forward over its
+        whole block of B positions (the shape the draft was trained on: [bonus, MASK, …] at prefix … prefix + B-1,
+        whatever the window), given the window's block_ids [bs, K] (bonus, MASK, …) at positions [bs, K]."""
         bs, K = block_ids.shape
-        B, block_pos = self.block_size, positions
-        if K < B:  # the window is shorter than the block: the draft still fills B positions, K-1 are used
-            block_ids = torch.nn.functional.pad(block_ids, (0, B - K), value=self.config.mask_token_id)
-            block_pos = positions[:, :1] + torch.arange(B, device=positions.device)
+        B = self.block_size
+        block_ids, block_pos = make_block(block_ids[:, 0], positions[:, 0], B, self.config.mask_token_id)  # [bs, B]
         embeds = self.embed(block_ids.reshape(-1)).view(bs, B, -1)
         hidden = self.draft.forward_block(embeds, block_pos, req_to_token, req_pool_indices, prefix_lens, max_prefix)
         return hidden[:, 1:K].reshape(bs * (K - 1), -1)  # one GEMM for the head (a strided 3-D operand: a bmm)

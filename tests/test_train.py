@@ -151,6 +151,25 @@ def test_feature_cache_takes_the_captured_features(tiny_qwen3_path, tmp_path):
 
 
 @pytest.mark.train
+def test_the_feature_cache_cuts_long_sequences_and_says_so(tiny_qwen3_path, tmp_path, caplog):
+    """A sequence longer than max_len is kept to its first max_len tokens (tokens and features alike), and the
+    log says how many were cut."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    from sglang_dflash.train.features import build_feature_cache
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_path, dtype=torch.float32).eval()
+    rows = [{"id": "a", "prompt_ids": [5, 6, 7], "output_ids": [8, 9]}, {"id": "b", "prompt_ids": [11], "output_ids": [13]}]
+    with caplog.at_level(logging.WARNING):
+        seqs = build_feature_cache(model, rows, [0, 1], tmp_path / "f", max_len=4, progress=False).load()
+    assert seqs[0].tokens.tolist() == [5, 6, 7, 8] and seqs[0].context.shape[0] == seqs[0].final.shape[0] == 4
+    assert seqs[1].tokens.tolist() == [11, 13]
+    assert "1 of the 2 sequences built now are longer than 4 tokens and were cut to their first 4" in caplog.text
+
+
+@pytest.mark.train
 def test_a_cache_of_more_layers_serves_a_draft_of_fewer(tiny_qwen3_path, tmp_path):
     """A feature folder made (or captured) with the states of more target layers than a draft uses keeps
     them when the recipe asks for a subset, and load(layer_ids) gives that subset's columns, in the draft's
