@@ -140,26 +140,29 @@ def cmd_eval_draft(args) -> int:
     import torch
 
     from sglang_dflash.models.reference import DFlashDraftModel
-    from sglang_dflash.train.evaluate import eval_draft
+    from sglang_dflash.train.evaluate import eval_drafts
     from sglang_dflash.train.recipe import load_target
     from sglang_dflash.train.sources import load_source
 
     dtype = getattr(torch, args.dtype)
     target, tok = load_target(args.target, dtype)
     target.to(args.device)
-    draft = DFlashDraftModel.from_pretrained(args.draft, dtype=dtype, device=args.device)
-    draft.config.check_target(target.config)
-    report = {}
+    drafts = [DFlashDraftModel.from_pretrained(path, dtype=dtype, device=args.device) for path in args.draft]
+    for draft in drafts:
+        draft.config.check_target(target.config)
+    report = {path: {} for path in args.draft}  # draft -> prompt set -> summary
     for path in args.prompts:
         prompts = load_source(path, args.num_prompts)
         method = args.method or ("replay" if args.temperature == 0 else "decode")
-        report[path] = eval_draft(target, tok, draft, prompts, args.max_new_tokens, temperature=args.temperature,
-                                  method=method)
-        r = report[path]
-        print(f"{path}: τ {r['tau']:.3f} over {r['verify_steps']} verify steps, {r['prompts']} prompts ({method}); "
-              f"acceptance by row {r['accept_rate_by_row']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        results = eval_drafts(target, tok, drafts, prompts, args.max_new_tokens, temperature=args.temperature,
+                              method=method)
+        for draft_path, r in zip(args.draft, results):
+            report[draft_path][path] = r
+            who = f"{draft_path} on " if len(drafts) > 1 else ""
+            print(f"{who}{path}: τ {r['tau']:.3f} over {r['verify_steps']} verify steps, {r['prompts']} prompts "
+                  f"({method}); acceptance by row {r['accept_rate_by_row']}")
+    if args.json:  # one draft: prompt set -> summary; several: draft -> prompt set -> summary
+        Path(args.json).write_text(json.dumps(report[args.draft[0]] if len(drafts) == 1 else report, indent=2) + "\n")
     return 0
 
 
@@ -267,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_prompt_variants)
     p = sub.add_parser("eval-draft", help="τ and per-row acceptance of a draft (Transformers backend)")
     p.add_argument("--target", required=True)
-    p.add_argument("--draft", required=True)
+    p.add_argument("--draft", nargs="+", required=True,
+                   help="one draft folder, or several of the same target: replayed, they walk the same greedy "
+                        "continuations, made once (the --json report is then by draft, then by prompt set)")
     p.add_argument("--prompts", nargs="+", required=True,
                    help="JSONL prompt files, or sharegpt-heldout (ShareGPT's conversations kept out of training)")
     p.add_argument("--num-prompts", type=int, default=100)

@@ -372,6 +372,14 @@ def test_replayed_acceptance_equals_real_decoding(tiny_run, tiny_qwen3_path, tmp
     assert replay["accept_rate_by_row"] == decode["accept_rate_by_row"]
     with pytest.raises(ValueError, match="greedy acceptance only"):
         eval_draft(target, tok, draft, prompts, method="replay", temperature=1.0)
+    # several drafts walk the same continuations, made once: each gives what it gives alone
+    from sglang_dflash.train.evaluate import eval_drafts
+
+    other = DFlashDraftModel.random(cfg, seed=1)
+    both = eval_drafts(target, tok, [draft, other], prompts, max_new_tokens=40, progress=False, method="replay")
+    assert both[0] == replay
+    assert both[1] == eval_draft(target, tok, other, prompts, max_new_tokens=40, progress=False, method="replay")
+    assert both[1]["tau"] < both[0]["tau"]
 
     # the trainer's held-out figure: the same walk over the cached (bf16) features, up to block_size - 1 tokens
     # before each response's end; equal to the walk over the target's own float32 features but for rounding

@@ -32,6 +32,15 @@ from sglang_dflash.train.batched_greedy import greedy_batch
 from sglang_dflash.train.data import chat_ids, stop_and_pad_ids
 
 
+def eval_drafts(target, tok, drafts: list, prompts: list[dict], max_new_tokens: int = 256, progress: bool = True,
+                temperature: float = 0.0, seed: int = 0, method: str = "decode") -> list[dict]:
+    """eval_draft for each of several drafts of one target; replayed, they walk the same greedy continuations,
+    made once (replay_greedy_drafts)."""
+    if method == "replay" and temperature == 0:
+        return replay_greedy_drafts(target, tok, drafts, prompts, max_new_tokens, progress)
+    return [eval_draft(target, tok, d, prompts, max_new_tokens, progress, temperature, seed, method) for d in drafts]
+
+
 def eval_draft(target, tok, draft, prompts: list[dict], max_new_tokens: int = 256, progress: bool = True,
                temperature: float = 0.0, seed: int = 0, method: str = "decode") -> dict:
     if method == "replay":
@@ -140,15 +149,22 @@ def replay_walks(draft, embed, head: torch.Tensor, seqs: list[torch.Tensor], fea
     return steps
 
 
-@torch.no_grad()
 def replay_greedy(target, tok, draft, prompts: list[dict], max_new_tokens: int = 256, progress: bool = True,
                   batch_size: int = 32) -> dict:
+    return replay_greedy_drafts(target, tok, [draft], prompts, max_new_tokens, progress, batch_size)[0]
+
+
+@torch.no_grad()
+def replay_greedy_drafts(target, tok, drafts: list, prompts: list[dict], max_new_tokens: int = 256,
+                         progress: bool = True, batch_size: int = 32) -> list[dict]:
+    """replay_greedy for several drafts of one target at once -> a summary per draft: the target's greedy
+    continuations (the costly part) are made once and every draft walks the same ones."""
     stops, pad = stop_and_pad_ids(target, tok)
-    B = draft.config.block_size
+    B = max(d.config.block_size for d in drafts)
     device = next(target.parameters()).device
     ids = [chat_ids(tok, p["prompt"]) for p in prompts]
-    steps: list[int] = []
-    per_prompt = []
+    steps: list[list[int]] = [[] for _ in drafts]
+    per_prompt: list[list[dict]] = [[] for _ in drafts]
     bar = None
     if progress:
         from tqdm import tqdm
@@ -160,15 +176,19 @@ def replay_greedy(target, tok, draft, prompts: list[dict], max_new_tokens: int =
         seqs = [torch.tensor(x + run, device=device) for x, run in zip(ids[i:i + batch_size], runs)]
         lengths = [next((j + 1 for j, t in enumerate(run[:max_new_tokens]) if t in stops), max_new_tokens)
                    for run in runs]
-        features = [sequence_features(target, s, draft.config.target_layer_ids) for s in seqs]
-        walks = replay_walks(draft, target.get_input_embeddings(), target.get_output_embeddings().weight, seqs,
-                             features, [len(x) for x in ids[i:i + batch_size]], lengths)
-        for p, length, s in zip(prompts[i:i + batch_size], lengths, walks):
-            steps += s
-            per_prompt.append({"id": p["id"], "tokens": length, "steps": len(s), "tau": sum(s) / max(len(s), 1)})
+        features: dict[tuple, list[torch.Tensor]] = {}  # by the target layers a draft reads
+        for d, draft in enumerate(drafts):
+            layers = tuple(draft.config.target_layer_ids)
+            if layers not in features:
+                features[layers] = [sequence_features(target, s, list(layers)) for s in seqs]
+            walks = replay_walks(draft, target.get_input_embeddings(), target.get_output_embeddings().weight, seqs,
+                                 features[layers], [len(x) for x in ids[i:i + batch_size]], lengths)
+            for p, length, s in zip(prompts[i:i + batch_size], lengths, walks):
+                steps[d] += s
+                per_prompt[d].append({"id": p["id"], "tokens": length, "steps": len(s), "tau": sum(s) / max(len(s), 1)})
         if bar:
-            bar.update(len(walks))
-            bar.set_postfix(tau=f"{sum(steps) / max(len(steps), 1):.2f}")
+            bar.update(len(seqs))
+            bar.set_postfix(tau=" ".join(f"{sum(s) / max(len(s), 1):.2f}" for s in steps))
     if bar:
         bar.close()
-    return summary(steps, per_prompt, B, "replay")
+    return [summary(s, rows, d.config.block_size, "replay") for s, rows, d in zip(steps, per_prompt, drafts)]
