@@ -73,18 +73,21 @@ def test_an_adaptive_window_writes_what_it_knows(tmp_path):
 
 
 def test_a_tree_step_counts_the_requests_it_took_beyond_the_chain(tmp_path):
-    """Three requests, trees of 5 nodes from the top 2 of each of 4 rows: a path of first choices only, one
-    through a row's second choice, and the root alone (nothing accepted). One request went beyond the chain."""
+    """Four requests, trees of 6 nodes from the top 2 of each of 4 rows (each row's first choice another
+    token): a path of first choices down 4 rows, one through row 1's second choice, a shorter chain, and the root
+    alone (nothing accepted). One request went beyond the chain."""
     from sglang_dflash.tree import build_trees
 
     path = tmp_path / "stats.json"
-    stats = StepStats(str(path), max_window=5, device="cpu")
-    logprobs = torch.log_softmax(torch.tensor([[4.0, 3.0, 0.0, 0.0]]).repeat(3, 4, 1), dim=-1)  # rows: 0 first, 1 second
-    tokens, parents, depths = build_trees(logprobs, 2, 5, torch.tensor([2, 2, 2]))
-    # best first: the root; rows 1, 2 and 3's first choices (down the chain); row 1's second choice
-    assert tokens[0].tolist() == [2, 0, 0, 0, 1] and parents[0].tolist() == [-1, 0, 1, 2, 0]
-    paths = torch.tensor([[0, 1, 2], [0, 4, 4], [0, 0, 0]])  # the chain, row 1's second choice, the root; padded
-    stats.record_tree(tokens, depths, logprobs, paths, torch.tensor([2, 1, 0]))
-    stats.record(torch.tensor([3, 2, 1]), 5)
+    stats = StepStats(str(path), max_window=6, device="cpu")
+    rows = torch.tensor([[4.0, 3.0, 0.0, 0.0], [3.0, 4.0, 0.0, 0.0], [0.0, 3.0, 4.0, 0.0], [0.0, 0.0, 3.0, 4.0]])
+    logprobs = torch.log_softmax(rows, dim=-1).repeat(4, 1, 1)  # [4 requests, 4 rows, V 4]: row d's first is d - 1
+    tokens, parents, depths = build_trees(logprobs, 2, 6, torch.tensor([2, 2, 2, 2]))
+    # best first: the root; rows 1, 2, 3's first choices; row 1's second; row 4's first
+    assert tokens[0].tolist() == [2, 0, 1, 2, 1, 3] and parents[0].tolist() == [-1, 0, 1, 2, 0, 3]
+    paths = torch.tensor([[0, 1, 2, 3, 5], [0, 4, 4, 4, 4], [0, 1, 2, 2, 2], [0, 0, 0, 0, 0]])  # padded: last node
+    accept_len = torch.tensor([4, 1, 2, 0])
+    stats.record_tree(tokens, depths, logprobs, paths, accept_len)
+    stats.record(accept_len + 1, 6)
     assert json.loads(path.read_text())["tree_requests_beyond_the_chain"] == 1
-    NO_STATS.record_tree(tokens, depths, logprobs, paths, torch.tensor([2, 1, 0]))  # off: nothing
+    NO_STATS.record_tree(tokens, depths, logprobs, paths, accept_len)  # off: nothing

@@ -372,14 +372,25 @@ def test_replayed_acceptance_equals_real_decoding(tiny_run, tiny_qwen3_path, tmp
     assert replay["accept_rate_by_row"] == decode["accept_rate_by_row"]
     with pytest.raises(ValueError, match="greedy acceptance only"):
         eval_draft(target, tok, draft, prompts, method="replay", temperature=1.0)
-    # several drafts walk the same continuations, made once: each gives what it gives alone
+    # several drafts walk the same continuations, made once: each gives what it gives alone. This one with a smaller
+    # block (its weights) walks the longer continuation the larger block needs, the same up to float rounding; a
+    # random one reading three target layers gets features of its own
+    import dataclasses
+
     from sglang_dflash.train.evaluate import eval_drafts
 
-    other = DFlashDraftModel.random(cfg, seed=1)
-    both = eval_drafts(target, tok, [draft, other], prompts, max_new_tokens=40, progress=False, method="replay")
-    assert both[0] == replay
-    assert both[1] == eval_draft(target, tok, other, prompts, max_new_tokens=40, progress=False, method="replay")
-    assert both[1]["tau"] < both[0]["tau"]
+    small = DFlashDraftModel.random(dataclasses.replace(cfg, block_size=4), seed=1)
+    small.load_state_dict(draft.state_dict())
+    wide = DFlashDraftModel.random(dataclasses.replace(cfg, target_layer_ids=[0, 1, 2]), seed=1)
+    assert cfg.block_size > 4 and len(cfg.target_layer_ids) == 2
+    together = eval_drafts(target, tok, [small, draft, wide], prompts, max_new_tokens=40, progress=False,
+                           method="replay")
+    assert together[1] == replay
+    for d, got in ((small, together[0]), (wide, together[2])):
+        alone = eval_draft(target, tok, d, prompts, max_new_tokens=40, progress=False, method="replay")
+        assert sum(a == b for a, b in zip(got["per_prompt"], alone["per_prompt"])) >= 7, (got, alone)
+        assert abs(got["tau"] - alone["tau"]) < 0.05 and len(got["accept_rate_by_row"]) == d.config.block_size - 1
+    assert together[0]["tau"] > 1.2  # the smaller block's walks accept drafts: they were compared, not trivial
 
     # the trainer's held-out figure: the same walk over the cached (bf16) features, up to block_size - 1 tokens
     # before each response's end; equal to the walk over the target's own float32 features but for rounding
