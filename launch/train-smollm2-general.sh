@@ -10,7 +10,8 @@
 #                                                             side by side (a core each) for MINUTES, from the target
 #   bash launch/train-smollm2-general.sh fit [ARGS]           the general draft, from the GSM8K-only stage-7 draft
 #                                                             (resumes; ARGS go to `sglang-dflash train`, e.g. --stop-at N)
-#   bash launch/train-smollm2-general.sh evaluate DRAFT JSON  eval-draft on 64 prompts of each evaluation set
+#   bash launch/train-smollm2-general.sh evaluate JSON DRAFT [DRAFT …]  eval-draft on 64 prompts of each evaluation
+#                                                             set (several drafts: replayed over the same continuations)
 #
 # The responses are kept in git as shards, data/smollm2-general/responses-NNN.jsonl.gz (about 1 byte per
 # token, gzip), because regenerating them takes hours of this CPU (~150 tok/s) and a work folder does not
@@ -108,9 +109,11 @@ fit() {
 }
 
 evaluate() {  # greedy acceptance (replayed), float32, 256 new tokens, on prompts no training run saw
-  "$ROOT/.venv/bin/sglang-dflash" eval-draft --target "$TARGET" --draft "$1" --prompts "$SHARED/gsm8k_test.jsonl" \
+  local json="$1"
+  shift
+  "$ROOT/.venv/bin/sglang-dflash" eval-draft --target "$TARGET" --draft "$@" --prompts "$SHARED/gsm8k_test.jsonl" \
     "$SHARED/humaneval.jsonl" "$SHARED/mt_bench.jsonl" sharegpt-heldout --num-prompts 64 --max-new-tokens 256 \
-    --json "$2"
+    --json "$json"
 }
 
 case "${1:-}" in
@@ -119,7 +122,8 @@ case "${1:-}" in
   features) features ;;
   shape) shape "${2:?shape MINUTES}" ;;
   fit) shift; fit "$@" ;;
-  evaluate) evaluate "${2:?evaluate DRAFT JSON}" "${3:?evaluate DRAFT JSON}" ;;
-  *) echo "usage: $0 regenerate MINUTES | pack | features | shape MINUTES | fit [ARGS] | evaluate DRAFT JSON" >&2
+  evaluate) [ $# -ge 3 ] || { echo "usage: $0 evaluate JSON DRAFT [DRAFT …]" >&2; exit 2; }
+            shift; evaluate "$@" ;;
+  *) echo "usage: $0 regenerate MINUTES | pack | features | shape MINUTES | fit [ARGS] | evaluate JSON DRAFT [DRAFT …]" >&2
      exit 2 ;;
 esac
