@@ -17,7 +17,7 @@ from typing import Iterable
 import torch
 from transformers import DynamicCache
 
-from sglang_dflash.accept import accept_greedy, accept_sampled
+from sglang_dflash.accept import accept_greedy, accept_sampled, draw
 from sglang_dflash.block import make_block
 
 
@@ -42,9 +42,7 @@ def sample(logits: torch.Tensor, temperature: float, generator=None) -> torch.Te
     """logits [..., V] -> tokens [...]: argmax at temperature 0, else a draw from softmax(logits / T)."""
     if temperature == 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    return draw(torch.softmax(logits.float() / temperature, dim=-1), generator)
 
 
 def build_block(bonus: int, start: int, block_size: int, mask_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +60,7 @@ def draft_block(draft, target, block_ids, positions, context, temperature: float
     if temperature == 0:
         return logits.argmax(-1), None
     q = torch.softmax(logits / temperature, dim=-1)
-    return torch.multinomial(q[0], 1, generator=generator).view(1, -1), q
+    return draw(q, generator), q
 
 
 @torch.no_grad()

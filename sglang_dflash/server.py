@@ -28,50 +28,86 @@ def tail(path: str, n: int = 40) -> str:
         return "".join(f.readlines()[-n:])
 
 
-@contextlib.contextmanager
-def sglang_server(model_path, *args: str, env: dict | None = None, timeout: float = 300, log_path: str | None = None):
-    """Yields the base URL of a server for model_path; extra args go to launch_server, env adds variables.
+class Server:
+    """An SGLang server process for model_path, started at construction: extra args go to launch_server,
+    env adds variables. `ready()` waits until it serves and gives its base URL; `stop()` ends it.
 
-    The server's output goes to log_path (a temporary file, removed afterwards, when None); when the body
-    raises, the log's tail is printed to stderr.
+    Its output goes to log_path (a temporary file, removed when it stops, when None). Starting several
+    before waiting for any lets their start-ups (imports, mostly one core each) overlap.
     """
-    port = free_port()
-    log = open(log_path, "w+") if log_path else tempfile.NamedTemporaryFile(
-        "w+", prefix="sglang-server-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "sglang_dflash.cli", "serve", "--model-path", str(model_path),
-           "--host", "127.0.0.1", "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **(env or {})})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode} before it was ready; log:\n{tail(log.name)}")
+
+    def __init__(self, model_path, *args: str, env: dict | None = None, timeout: float = 300,
+                 log_path: str | None = None):
+        self.args, self.timeout, self.log_path = args, timeout, log_path
+        port = free_port()
+        self.log = open(log_path, "w+") if log_path else tempfile.NamedTemporaryFile(
+            "w+", prefix="sglang-server-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "sglang_dflash.cli", "serve", "--model-path", str(model_path),
+               "--host", "127.0.0.1", "--port", str(port), *args]
+        self.started = time.time()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **(env or {})})
+        self.url = f"http://127.0.0.1:{port}"
+        self.serving = False
+
+    def ready(self) -> str:
+        """The base URL, once /health_generate answers; an error with the log's tail if the process exits
+        first or timeout seconds pass from its start."""
+        deadline = self.started + self.timeout
+        while not self.serving:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} before it was ready; "
+                                   f"log:\n{tail(self.log.name)}")
             if time.time() > deadline:
-                raise RuntimeError(f"server not ready after {timeout:.0f} s; log:\n{tail(log.name)}")
+                raise RuntimeError(f"server not ready after {self.timeout:.0f} s; log:\n{tail(self.log.name)}")
             try:
-                if requests.get(url + "/health_generate", timeout=30).status_code == 200:
-                    break
+                self.serving = requests.get(self.url + "/health_generate", timeout=30).status_code == 200
             except requests.RequestException:
                 pass
-            time.sleep(0.5)
+            if not self.serving:
+                time.sleep(0.5)
+        return self.url
+
+    def print_log_tail(self) -> None:
+        print(f"--- tail of the server log ({' '.join(self.args)}):\n{tail(self.log.name, 80)}", file=sys.stderr)
+
+    def stop(self) -> None:
+        if self.log.closed:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+        if not self.log_path:
+            os.unlink(self.log.name)
+
+
+@contextlib.contextmanager
+def sglang_server(model_path, *args: str, env: dict | None = None, timeout: float = 300, log_path: str | None = None):
+    """Yields the base URL of a Server (see there) once it serves, and stops it afterwards; when the body
+    raises, the log's tail is printed to stderr."""
+    server = Server(model_path, *args, env=env, timeout=timeout, log_path=log_path)
+    with serving(server) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serving(server: Server):
+    """Yields a started Server's URL once it serves; stops it afterwards, its log's tail printed to stderr
+    when the body raises."""
+    try:
+        url = server.ready()
         try:
             yield url
         except BaseException:  # a failed or timed-out caller shows what the server said
-            print(f"--- tail of the server log ({' '.join(args)}):\n{tail(log.name, 80)}", file=sys.stderr)
+            server.print_log_tail()
             raise
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-        if not log_path:
-            os.unlink(log.name)
+        server.stop()
 
 
 def generate(url: str, input_ids: list[int], timeout: float = 600, **sampling) -> dict:

@@ -32,7 +32,7 @@ import logging
 import torch
 
 from sglang_dflash import __version__, block_logits
-from sglang_dflash.accept import (SALT_DRAFT, SALT_TREE, accept_greedy, accept_sampled_rows, filtered_probs,
+from sglang_dflash.accept import (SALT_DRAFT, SALT_TREE, accept_greedy, accept_sampled_rows, draw, filtered_probs,
                                    sample_inverse_cdf, seeded_uniform)
 from sglang_dflash.block import make_block
 from sglang_dflash.config import load_checked
@@ -350,7 +350,7 @@ class DFlashWorker(SGLangSpecWorker):
             q = torch.where(greedy, torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float(), q)
         seeds = sampling_info.sampling_seed  # set by SGLang under --enable-deterministic-inference
         if seeds is None:
-            tokens = torch.multinomial(q.view(-1, q.shape[-1]), 1).view(q.shape[:2])
+            tokens = draw(q)
         else:
             tokens = sample_inverse_cdf(q, seeded_uniform(seeds, positions[:, 1:], SALT_DRAFT))
         return tokens, q

@@ -1,5 +1,5 @@
-"""The tests' SGLang servers: sglang_dflash.server with small, fixed memory settings; the oracle
-draft's environment; a server's KV slots in use."""
+"""The tests' SGLang servers: sglang_dflash.server with small, fixed memory settings, alone or started
+together; the oracle draft's environment; a server's KV slots in use."""
 
 from __future__ import annotations
 
@@ -9,27 +9,42 @@ from pathlib import Path
 
 import requests
 
-from sglang_dflash.server import generate, sglang_server as _server  # noqa: F401  (generate is re-exported)
+from sglang_dflash.server import Server, generate, serving  # noqa: F401  (generate is re-exported)
 
 ORACLE_PLUGIN = Path(__file__).parent / "oracle_plugin"
 
 
+# Every test server's memory settings. --max-total-tokens fixes the KV pool (16,384 slots, 0.7 GB for SmolLM2
+# in float32) unless a test gives its own. --mem-fraction-static 0.9: on a CPU, SGLang sizes the pool from
+# the memory free after loading, less (1 - fraction) of what was free before loading, and refuses to start
+# when nothing is left. With 0.3 that reserve was 70 % of the machine, so a server that measured while a
+# neighbour was loading found no room (the reliability module's four servers, started together, failed so one
+# run in two); with 0.9 it is a tenth, and servers start together.
+MEMORY = ("--mem-fraction-static", "0.9", "--max-total-tokens", "16384")
+
+
+def start_server(model_path, *args: str, env: dict | None = None, timeout: float = 300,
+                 log_path: str | None = None) -> Server:
+    """A test server's process, started now (sglang_dflash.server.Server): serve it with `serving`."""
+    return Server(model_path, *MEMORY, "--log-level", "info", *args, env=env, timeout=timeout, log_path=log_path)
+
+
 @contextlib.contextmanager
 def sglang_server(model_path, *args: str, env: dict | None = None, timeout: float = 300, log_path: str | None = None):
-    with _server(model_path, "--mem-fraction-static", "0.3", "--max-total-tokens", "16384", "--log-level", "info",
-                 *args, env=env, timeout=timeout, log_path=log_path) as url:
+    with serving(start_server(model_path, *args, env=env, timeout=timeout, log_path=log_path)) as url:
         yield url
 
 
 @contextlib.contextmanager
 def sglang_servers(*specs: tuple):
-    """Several servers, each spec (model_path, args tuple, env dict or None[, log path]); yields their URLs.
-    They start one after another: SGLang sizes a CPU server's KV pool from the memory free when it
-    measures, and a neighbour loading at that moment left one with no room for its pool (started together,
-    the reliability module's four servers failed so, one run in two)."""
-    with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(sglang_server(model, *args, env=env, log_path=log[0] if log else None))
+    """Several servers, each spec (model_path, args tuple, env dict or None[, log path]), started together
+    (their start-ups overlap: mostly imports, a core each); yields their URLs once all serve."""
+    servers = [start_server(model, *args, env=env, log_path=log[0] if log else None)
                for model, args, env, *log in specs]
+    with contextlib.ExitStack() as stack:
+        for server in servers:
+            stack.callback(server.stop)  # every one stopped, whichever failed to start
+        yield [stack.enter_context(serving(server)) for server in servers]
 
 
 def oracle_env(sequences: Path) -> dict:

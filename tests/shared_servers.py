@@ -2,10 +2,14 @@
 on first use, by whichever test module needs them first, and stopped at the session's end.
 
   smol_base_url   the target without speculation, float32, synchronous (the reference)
+  trained_server  DFLASH with the shipped trained draft, window 16 (test_smollm2_lossless_float32 only)
   oracle_server   DFLASH whose proposals are the reference's own continuations (tests/oracle_plugin)
   window4_url     the same proposals through a verify window of 4 (the statistical tier's server)
 
-and `smol`: the 40 chat prompts, a random draft, and the reference outputs."""
+and `smol`: the 40 chat prompts, a random draft, and the reference outputs. A server that needs nothing
+from another is started beside it when the session's tests use it (`collected`), so that their start-ups
+overlap: the trained-draft server while the reference answers the 40 prompts, the window-4 server beside
+the oracle's."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import pytest
 import torch
 
 from conftest import chat_ids, load_target, random_draft
-from server import generate, oracle_env, sglang_server
+from server import generate, oracle_env, serving, start_server
 
 TRAINED_DRAFT = Path(__file__).parent.parent / "launch" / "drafts" / "SmolLM2-135M-Instruct-DFlash"  # the shipped one
 NEW_TOKENS = 128
@@ -56,15 +60,64 @@ def smol_base_url(smollm2_path):
     prompt's last token at the first decode step and then each output token one step late (the scheduler
     reads req.output_ids before the previous step's result is in), so under penalties its own output
     differs from its synchronous schedule's. Without penalties both schedules give the same tokens."""
-    with sglang_server(smollm2_path, "--dtype", "float32", "--disable-overlap-schedule") as url:
+    with serving(start_server(smollm2_path, "--dtype", "float32", "--disable-overlap-schedule")) as url:
         yield url
+    stop_early()
+
+
+# servers started before their fixture asks for them: {fixture: (Server, what it yields besides the URL)}
+EARLY: dict = {}
+
+
+def collected(request, fixture: str) -> bool:
+    """Whether a test of the session's selection uses the fixture (directly or through another)."""
+    return any(fixture in item.fixturenames for item in request.session.items)
+
+
+def start_early(request, fixture: str, start) -> None:
+    """Starts now the server of a fixture that a test of the session will ask for later (start() -> (Server,
+    extra)), to be taken there with `take_early(fixture, start)`."""
+    if collected(request, fixture) and fixture not in EARLY:
+        EARLY[fixture] = start()
+
+
+def take_early(fixture: str, start):
+    """(Server, extra): the one started early for the fixture, or one started now."""
+    return EARLY.pop(fixture, None) or start()
+
+
+def stop_early():
+    """Stops the servers started early that no fixture took (their tests failed or were not reached)."""
+    for server, _ in EARLY.values():
+        server.stop()
+    EARLY.clear()
+
+
+def start_trained_server(smollm2_path, tmp_path_factory):
+    """The shipped trained draft at window 16; no warm-up request, so that its stats file's histogram holds
+    its test's requests only."""
+    stats = tmp_path_factory.mktemp("trained") / "stats.json"
+    server = start_server(smollm2_path, *dflash_args(TRAINED_DRAFT, "--skip-server-warmup"),
+                          env={"SGLANG_DFLASH_STATS_FILE": str(stats)})
+    return server, {"stats": stats}
+
+
+@pytest.fixture
+def trained_server(smollm2_path, tmp_path_factory, smol_base_url):
+    """{"url", "stats": its stats file}: DFLASH with the shipped trained draft, window 16, for one test (each
+    idle server holds about 3.5 GB of this machine's 24: the session keeps only those that several use)."""
+    server, extra = take_early("trained_server", lambda: start_trained_server(smollm2_path, tmp_path_factory))
+    with serving(server) as url:
+        yield {"url": url, **extra}
 
 
 @pytest.fixture(scope="session")
-def smol(smollm2_path, prompts, tmp_path_factory, smol_base_url):
+def smol(smollm2_path, prompts, tmp_path_factory, smol_base_url, request):
     """SmolLM2: the 40 chat prompts, a random draft, and the no-speculation server's outputs."""
     from transformers import AutoTokenizer
 
+    # the trained-draft server's start-up beside the reference's outputs below
+    start_early(request, "trained_server", lambda: start_trained_server(smollm2_path, tmp_path_factory))
     tok = AutoTokenizer.from_pretrained(str(smollm2_path))
     inputs = [chat_ids(tok, p["prompt"]) for p in prompts]
     draft = save_random_draft(smollm2_path, tmp_path_factory.mktemp("smol") / "draft", "smollm2")
@@ -74,7 +127,7 @@ def smol(smollm2_path, prompts, tmp_path_factory, smol_base_url):
 
 
 @pytest.fixture(scope="session")
-def oracle_server(smol, smol_base_url, tmp_path_factory):
+def oracle_server(smol, smol_base_url, tmp_path_factory, request):
     """A DFLASH server whose draft proposes the baseline's own continuation of the first 8 prompts
     (tests/oracle_plugin), so that nearly every verify accepts a whole block; and, for one short
     prompt of the statistical tests, its greedy continuation as point-mass proposals."""
@@ -100,7 +153,9 @@ def oracle_server(smol, smol_base_url, tmp_path_factory):
     env = {**oracle_env(file), "SGLANG_DFLASH_STATS_FILE": str(folder / "stats.json"),  # read by the benchmark test
            "SGLANG_DFLASH_PROFILE": "1",  # with the step profile (the benchmark test checks its table)
            "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}  # a KV leak, seen when idle, stops the server
-    with sglang_server(smol["path"], *dflash_args(smol["draft"]), env=env) as url:
+    oracle = start_server(smol["path"], *dflash_args(smol["draft"]), env=env)
+    start_early(request, "window4_url", lambda: (start_window4(smol, file), {}))
+    with serving(oracle) as url:
         yield {"url": url, "stats": folder / "stats.json", "rules": list(zip(rules, rule_refs)), "sequences": file,
                "penalties": list(zip(penalties, penalty_refs))}
 
@@ -161,11 +216,16 @@ def oracle_url(oracle_server):
 @pytest.fixture(scope="session")
 def window4_url(smol, oracle_server):
     """The oracle server's proposals with --speculative-num-draft-tokens 4 (the draft's block stays 16)."""
+    server, _ = take_early("window4_url", lambda: (start_window4(smol, oracle_server["sequences"]), {}))
+    with serving(server) as url:
+        yield url
+
+
+def start_window4(smol, sequences: Path):
     # 128 running requests: the statistical tier's cases (then with 2,000 baseline samples each as well)
     # took 55-181 s so, 148-221 s with 1,024
-    with sglang_server(smol["path"], *dflash_args(smol["draft"], "--max-running-requests", "128", window=4),
-                       env=oracle_env(oracle_server["sequences"])) as url:
-        yield url
+    return start_server(smol["path"], *dflash_args(smol["draft"], "--max-running-requests", "128", window=4),
+                        env=oracle_env(sequences))
 
 
 def stat_ids(smol, prompt: str) -> list[int]:

@@ -264,3 +264,24 @@ def test_target_rows_are_formed_only_where_acceptance_reaches():
     for j, rows in asked:
         assert rows == [i for i in range(b) if acc[i] >= j], j
     assert sum(len(r) for _, r in asked) == int((acc + 1).sum())  # one row per decision, not b × B
+
+
+def test_draw_follows_the_distribution_and_never_takes_a_zero():
+    """accept.draw (inverse CDF) against exact probabilities: rows that need not sum to 1, zeros at both ends and
+    inside, one row a point mass; a χ² goodness of fit per row over 20,000 draws, never a zero-probability token
+    (even at u = 1, the top of the range), and the same draws again from the same generator."""
+    from sglang_dflash.accept import draw, sample_inverse_cdf
+    from stats import P_FAIL, goodness_of_fit
+
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0],
+                          [0.0, 0.0, 0.0, 0.0, 2.0, 0.0],  # a point mass, unnormalised
+                          [1.0, 3.0, 0.0, 0.0, 0.0, 4.0]])
+    n = 20_000
+    tokens = draw(probs[:, None].expand(3, n, 6), torch.Generator().manual_seed(3))  # [3, n]
+    for row, drawn in zip(probs, tokens):
+        exact = {(v,): float(row[v] / row.sum()) for v in range(6) if row[v] > 0}
+        assert set(drawn.unique().tolist()) <= {v for (v,) in exact}
+        assert goodness_of_fit([(int(t),) for t in drawn], exact) > P_FAIL
+    assert torch.equal(draw(probs[:, None].expand(3, n, 6), torch.Generator().manual_seed(3)), tokens)
+    top = sample_inverse_cdf(probs, torch.ones(3, dtype=torch.float64))  # u = 1: the last token with mass
+    assert top.tolist() == [4, 4, 5]

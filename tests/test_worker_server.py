@@ -14,9 +14,9 @@ import torch
 
 from conftest import chat_ids
 from sglang_dflash import bench
-from server import generate, kv_slots_in_use, oracle_env, sglang_server, sglang_servers
+from server import generate, kv_slots_in_use, oracle_env, serving, sglang_server, sglang_servers, start_server
 from shared_servers import (NEW_TOKENS, PENALTY_TOKENS, TRAINED_DRAFT, dflash_args, run_all, save_random_draft,
-                            sixteen_of_forty)
+                            sixteen_of_forty, start_early, take_early)
 
 pytestmark = pytest.mark.server
 ONE_OF_EACH_SET = (0, 4, 8)  # tests/data/prompts.jsonl: gsm8k_test, humaneval, mt_bench
@@ -41,18 +41,15 @@ GSM8K = [i for i in range(40) if i < 4 or 12 <= i < 22]  # tests/data/prompts.js
 TRAINED_TAU_GSM8K = 1.8  # the shipped draft's τ on these prompts, 128 tokens, window 16, was 2.39 (its model card: 2.51)
 
 
-def test_smollm2_lossless_float32(smol, tmp_path):
+def test_smollm2_lossless_float32(smol, trained_server):
     """The shipped trained draft (accept lengths of every size, not a random draft's 0s), 40 prompts at
     concurrency 16, 3 at concurrency 1, then 4 radix-cache hits: every output is the baseline's. Its τ on
     the gsm8k prompts is in the draft's known range, and the worker's accept-length histogram accounts
-    for every verify step the scheduler counted."""
-    stats = tmp_path / "stats.json"
-    # (no warm-up request: the histogram then holds this test's requests only)
-    with sglang_server(smol["path"], *dflash_args(TRAINED_DRAFT, "--skip-server-warmup"),
-                       env={"SGLANG_DFLASH_STATS_FILE": str(stats)}) as url:
-        conc16 = run_all(url, smol["inputs"], 16)
-        conc1 = run_all(url, [smol["inputs"][i] for i in ONE_OF_EACH_SET], 1)
-        repeat = run_all(url, smol["inputs"][:4], 4)  # the radix cache now holds these prompts
+    for every verify step the scheduler counted (the server's only requests: it has no warm-up)."""
+    url, stats = trained_server["url"], trained_server["stats"]
+    conc16 = run_all(url, smol["inputs"], 16)
+    conc1 = run_all(url, [smol["inputs"][i] for i in ONE_OF_EACH_SET], 1)
+    repeat = run_all(url, smol["inputs"][:4], 4)  # the radix cache now holds these prompts
     assert_same(conc16, smol["base"], "concurrency 16")
     assert_same(conc1, [smol["base"][i] for i in ONE_OF_EACH_SET], "concurrency 1")
     assert_same(repeat, smol["repeat"], "radix-cache hits")
@@ -406,20 +403,49 @@ def test_verify_window_shorter_than_the_block(smol, smol_base_url, window4_url):
     print(f"window 4: oracle τ {[round(tau(o), 2) for o in outs[:4]]}, random draft τ {[round(tau(o), 2) for o in outs[4:]]}")
 
 
-def test_adaptive_window_is_lossless_and_falls_back_to_decoding(smol, tmp_path):
+def start_with_files(smol, tmp_path_factory, name: str, *args: str, env: dict | None = None):
+    """A SmolLM2 server with its own stats file and log: (Server, {"stats", "log"})."""
+    folder = tmp_path_factory.mktemp(name)
+    files = {"stats": folder / "stats.json", "log": folder / "server.log"}
+    return start_server(smol["path"], *args, env={"SGLANG_DFLASH_STATS_FILE": str(files["stats"]), **(env or {})},
+                        log_path=str(files["log"])), files
+
+
+# The two adaptive servers (random draft), started together, each for its own test.
+def adaptive_start(smol, tmp_path_factory):  # no window given: adaptive, 1 … the block
+    return start_with_files(smol, tmp_path_factory, "adaptive", "--dtype", "float32", "--speculative-algorithm",
+                            "DFLASH", "--speculative-draft-model-path", str(smol["draft"]))
+
+
+def adaptive8_start(smol, tmp_path_factory):  # SGLang's --speculative-adaptive with a window of 8
+    return start_with_files(smol, tmp_path_factory, "adaptive8", *dflash_args(
+        smol["draft"], "--speculative-adaptive", "--enable-metrics", "--decode-log-interval", "1", window=8))
+
+
+@pytest.fixture
+def adaptive_server(smol, tmp_path_factory, request):
+    server, files = take_early("adaptive_server", lambda: adaptive_start(smol, tmp_path_factory))
+    start_early(request, "adaptive8_server", lambda: adaptive8_start(smol, tmp_path_factory))
+    with serving(server) as url:
+        yield {"url": url, **files}
+
+
+@pytest.fixture
+def adaptive8_server(smol, tmp_path_factory):
+    server, files = take_early("adaptive8_server", lambda: adaptive8_start(smol, tmp_path_factory))
+    with serving(server) as url:
+        yield {"url": url, **files}
+
+
+def test_adaptive_window_is_lossless_and_falls_back_to_decoding(smol, adaptive_server):
     """The default window (no --speculative-num-draft-tokens: adaptive, 1 … the block) with the random draft,
     which accepts nothing: the greedy output is the baseline's at concurrency 16, and the server verifies one
     row per step, a plain decode step, after trying 2 rows (and more only while a bucket has seen too few
     requests to rule them out); a sampled request decodes through it too."""
-    stats = tmp_path / "stats.json"
-    env = {"SGLANG_DFLASH_STATS_FILE": str(stats)}
+    url, stats, log = adaptive_server["url"], adaptive_server["stats"], adaptive_server["log"]
     inputs, refs = sixteen_of_forty(smol["inputs"]), first_tokens(sixteen_of_forty(smol["base"]), 64)
-    log = tmp_path / "server.log"
-    no_window = ("--dtype", "float32", "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",
-                 str(smol["draft"]))
-    with sglang_server(smol["path"], *no_window, env=env, log_path=str(log)) as url:
-        outs = run_all(url, inputs, 16, max_new_tokens=64)
-        sampled = generate(url, inputs[0], temperature=0.8, max_new_tokens=24, ignore_eos=True)
+    outs = run_all(url, inputs, 16, max_new_tokens=64)
+    sampled = generate(url, inputs[0], temperature=0.8, max_new_tokens=24, ignore_eos=True)
     assert "verify window adaptive 1-16" in log.read_text()  # the choice made for the user, in its start-up line
     assert_same(outs, refs, "adaptive window")
     assert len(sampled["output_ids"]) == sampled["meta_info"]["completion_tokens"] == 24
@@ -442,18 +468,15 @@ def test_adaptive_window_is_lossless_and_falls_back_to_decoding(smol, tmp_path):
     assert windows[1] > 0.6 * sum(windows) and windows[2] >= 1, windows
 
 
-def test_speculative_adaptive_with_a_window_adapts_up_to_it(smol, tmp_path):
+def test_speculative_adaptive_with_a_window_adapts_up_to_it(smol, adaptive8_server):
     """--speculative-num-draft-tokens 8 --speculative-adaptive (SGLang's own flag, which SGLang itself would turn
     off for any algorithm but EAGLE): adaptive, 1 … 8; greedy output still the baseline's; and SGLang's own
     speculative metrics (--enable-metrics) carry the worker's verify steps."""
-    stats, log = tmp_path / "stats.json", tmp_path / "server.log"
+    url, stats, log = adaptive8_server["url"], adaptive8_server["stats"], adaptive8_server["log"]
     inputs, refs = smol["inputs"][:4], first_tokens(smol["base"][:4], 16)
-    with sglang_server(smol["path"], *dflash_args(smol["draft"], "--speculative-adaptive", "--enable-metrics",
-                                                  "--decode-log-interval", "1", window=8),
-                       env={"SGLANG_DFLASH_STATS_FILE": str(stats)}, log_path=str(log)) as url:
-        outs = run_all(url, inputs, 4, max_new_tokens=16)
-        metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in requests.get(url + "/metrics").text
-                   .splitlines() if line.startswith("sglang:spec_")}
+    outs = run_all(url, inputs, 4, max_new_tokens=16)
+    metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in requests.get(url + "/metrics").text
+               .splitlines() if line.startswith("sglang:spec_")}
     assert_same(outs, refs, "--speculative-adaptive with a window of 8")
     assert metrics["sglang:spec_verify_calls_total"] >= sum(o["meta_info"]["spec_verify_ct"] for o in outs) > 0
     assert metrics["sglang:spec_accept_length"] >= 1 and metrics["sglang:spec_num_draft_tokens"] == 8
@@ -462,7 +485,33 @@ def test_speculative_adaptive_with_a_window_adapts_up_to_it(smol, tmp_path):
     assert len(windows) == 9 and windows[2] >= 1  # up to 8 rows; it climbs past a plain step, to 2 rows first
 
 
-def test_tree_verification_is_lossless(smol, smol_base_url, oracle_server, tmp_path):
+# The two tree servers (trained draft, top 2, up to 8 nodes), started together, each for its own test; a leak
+# or a double free, seen when idle, stops either (SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE).
+def tree_start(smol, tmp_path_factory, *args: str):
+    return start_with_files(smol, tmp_path_factory, "tree", *dflash_args(
+        TRAINED_DRAFT, "--speculative-eagle-topk", "2", *args, window=8),
+        env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"})
+
+
+@pytest.fixture
+def tree_server(smol, tmp_path_factory, request):  # adaptive budgets
+    server, files = take_early("tree_server", lambda: tree_start(smol, tmp_path_factory, "--speculative-adaptive"))
+    start_early(request, "tree_pages_server", lambda: tree_start(smol, tmp_path_factory, *TREE_PAGES))
+    with serving(server) as url:
+        yield {"url": url, **files}
+
+
+TREE_PAGES = ("--page-size", "16", "--chunked-prefill-size", "64")  # a fixed budget of 8 nodes
+
+
+@pytest.fixture
+def tree_pages_server(smol, tmp_path_factory):
+    server, files = take_early("tree_pages_server", lambda: tree_start(smol, tmp_path_factory, *TREE_PAGES))
+    with serving(server) as url:
+        yield {"url": url, **files}
+
+
+def test_tree_verification_is_lossless(smol, smol_base_url, oracle_server, tree_server):
     """--speculative-eagle-topk 2 --speculative-num-draft-tokens 8 --speculative-adaptive with the shipped
     trained draft: each step a tree of 1 … 8 nodes (the policy's choice at the batch's size; 1 a plain decode
     step) from the top 2 tokens of each draft row, verified in one forward. Greedy output at concurrency 16
@@ -474,22 +523,17 @@ def test_tree_verification_is_lossless(smol, smol_base_url, oracle_server, tmp_p
     test_smollm2_lossless_float32 (window 16), for the record. (The fixed budget: the statistical tier's
     tree test, and test_decode_step's.)"""
     inputs, refs = sixteen_of_forty(smol["inputs"]), first_tokens(sixteen_of_forty(smol["base"]), 64)
-    log, stats = tmp_path / "server.log", tmp_path / "stats.json"
-    env = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",  # a leak or a double free, seen when idle, stops it
-           "SGLANG_DFLASH_STATS_FILE": str(stats)}
+    url, log, stats = tree_server["url"], tree_server["log"], tree_server["stats"]
     body = {"input_ids": smol["inputs"][1], "sampling_params": {"temperature": 0, "max_new_tokens": 40},
             "return_logprob": True, "top_logprobs_num": 3}
-    with sglang_server(smol["path"], *dflash_args(TRAINED_DRAFT, "--speculative-eagle-topk", "2",
-                                                  "--speculative-adaptive", window=8),
-                       env=env, log_path=str(log)) as url:
-        with ThreadPoolExecutor(1) as pool:
-            sampled = pool.submit(generate, url, inputs[3], temperature=0.8, max_new_tokens=48, ignore_eos=True)
-            outs = run_all(url, inputs, 16, max_new_tokens=64)
-            sampled = sampled.result()
-        ruled = [(name, generate(url, ids, temperature=0, **params), ref)
-                 for (name, ids, params), ref in oracle_server["rules"]]
-        with_logprobs = requests.post(url + "/generate", timeout=600, json=body).json()
-        assert kv_slots_in_use(url) == 0
+    with ThreadPoolExecutor(1) as pool:
+        sampled = pool.submit(generate, url, inputs[3], temperature=0.8, max_new_tokens=48, ignore_eos=True)
+        outs = run_all(url, inputs, 16, max_new_tokens=64)
+        sampled = sampled.result()
+    ruled = [(name, generate(url, ids, temperature=0, **params), ref)
+             for (name, ids, params), ref in oracle_server["rules"]]
+    with_logprobs = requests.post(url + "/generate", timeout=600, json=body).json()
+    assert kv_slots_in_use(url) == 0
     assert "tree verification of adaptive 1-8 nodes from the top 2 per row" in log.read_text()
     assert_same(outs, refs, "trees of up to 8 nodes")
     for name, out, ref in ruled:
@@ -518,7 +562,7 @@ def test_tree_verification_is_lossless(smol, smol_base_url, oracle_server, tmp_p
     assert committed > 1.3  # the draft's proposals are accepted in the tree steps (a random draft's: about 1.03)
 
 
-def test_tree_verification_with_pages_and_chunked_prefill(smol, smol_base_url, tmp_path):
+def test_tree_verification_with_pages_and_chunked_prefill(smol, smol_base_url, tree_pages_server):
     """--speculative-eagle-topk 2 --speculative-num-draft-tokens 8 (a fixed budget: every step a tree) with KV
     pages of 16 slots, where a request's row must stay page-aligned, so the accepted path's K/V is copied to the
     committed positions (worker.keep_path), and prompts prefilled in chunks of 64 tokens (the draft context
@@ -532,12 +576,9 @@ def test_tree_verification_with_pages_and_chunked_prefill(smol, smol_base_url, t
     assert min(len(ids) for ids in long_inputs) > 128 and max(len(ids) for ids in long_inputs) > 300
     inputs = long_inputs + sixteen_of_forty(smol["inputs"])
     refs = run_all(smol_base_url, long_inputs, 4, max_new_tokens=64) + first_tokens(sixteen_of_forty(smol["base"]), 64)
-    stats = tmp_path / "stats.json"
-    env = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_DFLASH_STATS_FILE": str(stats)}
-    with sglang_server(smol["path"], *dflash_args(TRAINED_DRAFT, "--speculative-eagle-topk", "2", "--page-size", "16",
-                                                  "--chunked-prefill-size", "64", window=8), env=env) as url:
-        outs = run_all(url, inputs, 16, max_new_tokens=64)
-        assert kv_slots_in_use(url) == 0
+    url, stats = tree_pages_server["url"], tree_pages_server["stats"]
+    outs = run_all(url, inputs, 16, max_new_tokens=64)
+    assert kv_slots_in_use(url) == 0
     assert_same(outs, refs, "trees of 8 nodes, pages of 16, chunked prefill")
     written = json.loads(stats.read_text())
     steps = sum(written["accept_length_histogram_by_window"][8])
