@@ -1,8 +1,9 @@
-"""The command line's own checks (no command runs here)."""
+"""The command line's own checks (no command runs here), and the server helper's readiness rule."""
 
 import pytest
 
 from sglang_dflash.cli import main, parse_bool
+from sglang_dflash.server import free_port
 
 pytestmark = pytest.mark.unit
 
@@ -40,3 +41,43 @@ def test_demo_runs_the_benchmark_with_the_shipped_draft(monkeypatch, tmp_path, c
     assert "greedy outputs the server's own without speculation (identical): NO" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no draft at"):
         main(["demo", "--target", str(smollm2_path), "--draft", str(tmp_path / "none")])
+
+
+def test_a_server_started_long_ago_is_ready_if_it_serves(tmp_path):
+    """Server.ready asks the server before it looks at the clock: one started early (tests/shared_servers.py) and
+    first waited for after its start-up timeout has passed is ready if it serves, and not if it does not."""
+    import http.server
+    import threading
+    import time
+
+    from sglang_dflash.server import Server
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health_generate" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+
+    class Running:  # a process that has not exited
+        returncode = None
+
+        def poll(self):
+            return None
+
+    def started_long_ago(port):
+        server = Server.__new__(Server)
+        server.proc, server.started, server.timeout, server.serving = Running(), time.time() - 3600, 300, False
+        server.url, server.log = f"http://127.0.0.1:{port}", open(tmp_path / "log", "w+")
+        return server
+
+    try:
+        assert started_long_ago(httpd.server_port).ready() == f"http://127.0.0.1:{httpd.server_port}"
+        with pytest.raises(RuntimeError, match="not ready after 300 s"):
+            started_long_ago(free_port()).ready()  # nothing listens there
+    finally:
+        httpd.shutdown()
