@@ -319,8 +319,10 @@ def test_bench_flags_a_different_output(smol, smol_base_url, oracle_url, tmp_pat
         return r
 
     monkeypatch.setattr(bench, "stream_one", one_token_changed)
-    assert _bench(smol, smol_base_url, oracle_url, tmp_path) == 1
+    # one concurrency and three prompts (the later flags win): the verdict is judged per row alike
+    assert _bench(smol, smol_base_url, oracle_url, tmp_path, "--num-prompts", "3", "--concurrency", "3") == 1
     rows = json.loads((tmp_path / "results.json").read_text())["side_by_side"]["mt-bench"]
+    assert [r["concurrency"] for r in rows] == [3]
     assert all(not r["identical"] and r["differing_requests"] == [2] and not r["lossless"] for r in rows)
     outs = json.loads((tmp_path / "results.json").read_text())["dflash"]["mt-bench"][0]["output_ids"]
     assert all(r["divergences"]["2"]["token"] == len(outs[2]) - 1 for r in rows)  # judged where it was changed
@@ -453,18 +455,21 @@ def test_adaptive_window_is_lossless_and_falls_back_to_decoding(smol, adaptive_s
     windows, buckets = written["window_histogram"], written["adaptive_window"]["buckets"]  # decode batches by rows
     print(f"adaptive window, random draft: decode batches by window { {k: n for k, n in enumerate(windows) if n} }"
           f"; by bucket {buckets}")
-    # Where a 2-row step costs more than a plain one (1.4-1.8 times in every bucket of 8 or more requests on this
-    # CPU; 1.0-1.25 times at one request), the bucket settles on plain decoding: of its last 16 steps at most 2
-    # verify more rows (the anchors around the choice measured again). The buckets of 8 or more requests run
-    # after the smaller ones have shown that the draft accepts nothing: they climb from 1 to 2 only, and measure
-    # the anchors around their choice once more (none runs `refresh` = 128 steps here), at most 4 + 2 steps of
-    # more than one row in all. (The bucket of one request runs first, while the acceptance is still unknown:
-    # it may climb to 16 and take larger windows for a few steps, as it should with a draft that might accept.)
-    costly = {name: b for name, b in buckets.items() if b["seconds"].get("2", 0) > 1.2 * b["seconds"]["1"]}
+    # A bucket of 8 or more requests where a 2-row step costs more than a plain one (1.4-1.8 times on this CPU)
+    # settles on plain decoding: of its last 16 steps at most 2 verify more rows (the anchors around the choice
+    # measured again). These buckets run after the smaller ones have shown that the draft accepts nothing: they
+    # climb from 1 to 2 only, and measure the anchors around their choice once more (none runs `refresh` = 128
+    # steps here), at most 4 + 2 steps of more than one row in all. The bucket of one request is not judged: it
+    # runs first, while the acceptance is still unknown, so it may climb to 16 and take larger windows for a few
+    # steps, as it should with a draft that might accept; and at one request every window costs about the same
+    # (1.0-1.25 times a plain step), so its choice follows the timing noise (a fresh-clone run measured 0.089 s
+    # for 1 row, 0.138 s for 2 and 0.085 s for 4 there, and rightly chose 4).
+    costly = {name: b for name, b in buckets.items()
+              if int(name.split("-")[0]) >= 8 and b["seconds"].get("2", 0) > 1.2 * b["seconds"]["1"]}
     assert {"8-15", "16-31"} & costly.keys(), buckets
     for name, b in costly.items():
         assert b["best"] == 1 and sum(k > 1 for k in b["recent"]) <= 2, (name, b)
-        assert int(name.split("-")[0]) < 8 or sum(n for k, n in b["chosen"].items() if k != "1") <= 6, (name, b)
+        assert sum(n for k, n in b["chosen"].items() if k != "1") <= 6, (name, b)
     assert windows[1] > 0.6 * sum(windows) and windows[2] >= 1, windows
 
 
