@@ -8,8 +8,9 @@ on first use, by whichever test module needs them first, and stopped at the sess
 
 and `smol`: the 40 chat prompts, a random draft, and the reference outputs. A server that needs nothing
 from another is started beside it when the session's tests use it (`collected`), so that their start-ups
-overlap: the trained-draft server while the reference answers the 40 prompts, the window-4 server beside
-the oracle's."""
+overlap: the window-4 server beside the oracle's here, test_worker_server's pairs there (`served`). (A start-up
+beside a busy server gains nothing: the trained-draft server started while the reference answered the 40
+prompts made their test 357 s against 351.)"""
 
 from __future__ import annotations
 
@@ -86,6 +87,17 @@ def take_early(fixture: str, start):
     return EARLY.pop(fixture, None) or start()
 
 
+def served(request, fixture: str, start, beside: dict | None = None):
+    """A fixture's body: yields {"url", **extra} of its server (the one started early, or started now: start()
+    -> (Server, extra)) once it serves, and stops it afterwards. Each of `beside` ({fixture: start}) that a test
+    of the session will ask for is started now, so that its start-up overlaps this one's."""
+    server, extra = take_early(fixture, start)
+    for other, start_other in (beside or {}).items():
+        start_early(request, other, start_other)
+    with serving(server) as url:
+        yield {"url": url, **extra}
+
+
 def stop_early():
     """Stops the servers started early that no fixture took (their tests failed or were not reached)."""
     for server, _ in EARLY.values():
@@ -93,31 +105,22 @@ def stop_early():
     EARLY.clear()
 
 
-def start_trained_server(smollm2_path, tmp_path_factory):
-    """The shipped trained draft at window 16; no warm-up request, so that its stats file's histogram holds
-    its test's requests only."""
-    stats = tmp_path_factory.mktemp("trained") / "stats.json"
-    server = start_server(smollm2_path, *dflash_args(TRAINED_DRAFT, "--skip-server-warmup"),
-                          env={"SGLANG_DFLASH_STATS_FILE": str(stats)})
-    return server, {"stats": stats}
-
-
 @pytest.fixture
 def trained_server(smollm2_path, tmp_path_factory, smol_base_url):
     """{"url", "stats": its stats file}: DFLASH with the shipped trained draft, window 16, for one test (each
-    idle server holds about 3.5 GB of this machine's 24: the session keeps only those that several use)."""
-    server, extra = take_early("trained_server", lambda: start_trained_server(smollm2_path, tmp_path_factory))
-    with serving(server) as url:
-        yield {"url": url, **extra}
+    idle server holds about 4 GB of this machine's 24: the session keeps only those that several use). No
+    warm-up request, so that its stats file's histogram holds its test's requests only."""
+    stats = tmp_path_factory.mktemp("trained") / "stats.json"
+    with serving(start_server(smollm2_path, *dflash_args(TRAINED_DRAFT, "--skip-server-warmup"),
+                              env={"SGLANG_DFLASH_STATS_FILE": str(stats)})) as url:
+        yield {"url": url, "stats": stats}
 
 
 @pytest.fixture(scope="session")
-def smol(smollm2_path, prompts, tmp_path_factory, smol_base_url, request):
+def smol(smollm2_path, prompts, tmp_path_factory, smol_base_url):
     """SmolLM2: the 40 chat prompts, a random draft, and the no-speculation server's outputs."""
     from transformers import AutoTokenizer
 
-    # the trained-draft server's start-up beside the reference's outputs below
-    start_early(request, "trained_server", lambda: start_trained_server(smollm2_path, tmp_path_factory))
     tok = AutoTokenizer.from_pretrained(str(smollm2_path))
     inputs = [chat_ids(tok, p["prompt"]) for p in prompts]
     draft = save_random_draft(smollm2_path, tmp_path_factory.mktemp("smol") / "draft", "smollm2")

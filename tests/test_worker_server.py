@@ -14,9 +14,9 @@ import torch
 
 from conftest import chat_ids
 from sglang_dflash import bench
-from server import generate, kv_slots_in_use, oracle_env, serving, sglang_server, sglang_servers, start_server
+from server import generate, kv_slots_in_use, oracle_env, sglang_server, sglang_servers, start_server
 from shared_servers import (NEW_TOKENS, PENALTY_TOKENS, TRAINED_DRAFT, dflash_args, run_all, save_random_draft,
-                            sixteen_of_forty, start_early, take_early)
+                            served, sixteen_of_forty)
 
 pytestmark = pytest.mark.server
 ONE_OF_EACH_SET = (0, 4, 8)  # tests/data/prompts.jsonl: gsm8k_test, humaneval, mt_bench
@@ -426,17 +426,13 @@ def adaptive8_start(smol, tmp_path_factory):  # SGLang's --speculative-adaptive 
 
 @pytest.fixture
 def adaptive_server(smol, tmp_path_factory, request):
-    server, files = take_early("adaptive_server", lambda: adaptive_start(smol, tmp_path_factory))
-    start_early(request, "adaptive8_server", lambda: adaptive8_start(smol, tmp_path_factory))
-    with serving(server) as url:
-        yield {"url": url, **files}
+    yield from served(request, "adaptive_server", lambda: adaptive_start(smol, tmp_path_factory),
+                      beside={"adaptive8_server": lambda: adaptive8_start(smol, tmp_path_factory)})
 
 
 @pytest.fixture
 def adaptive8_server(smol, tmp_path_factory):
-    server, files = take_early("adaptive8_server", lambda: adaptive8_start(smol, tmp_path_factory))
-    with serving(server) as url:
-        yield {"url": url, **files}
+    yield from served(None, "adaptive8_server", lambda: adaptive8_start(smol, tmp_path_factory))
 
 
 def test_adaptive_window_is_lossless_and_falls_back_to_decoding(smol, adaptive_server):
@@ -455,11 +451,12 @@ def test_adaptive_window_is_lossless_and_falls_back_to_decoding(smol, adaptive_s
     windows, buckets = written["window_histogram"], written["adaptive_window"]["buckets"]  # decode batches by rows
     print(f"adaptive window, random draft: decode batches by window { {k: n for k, n in enumerate(windows) if n} }"
           f"; by bucket {buckets}")
-    # A bucket of 8 or more requests where a 2-row step costs more than a plain one (1.4-1.8 times on this CPU)
-    # settles on plain decoding: of its last 16 steps at most 2 verify more rows (the anchors around the choice
+    # A bucket of 8 or more requests where a 2-row step costs more than a plain one (1.2-1.8 times on this CPU)
+    # settles on plain decoding: of its last 8 steps at most 2 verify more rows (the anchors around the choice
     # measured again). These buckets run after the smaller ones have shown that the draft accepts nothing: they
-    # climb from 1 to 2 only, and measure the anchors around their choice once more (none runs `refresh` = 128
-    # steps here), at most 4 + 2 steps of more than one row in all. The bucket of one request is not judged: it
+    # climb from 1 to 2, or to 4 where a noisy 2-row step looked cheap (a fresh-clone run: 1, 2, 4, then 1 but
+    # for one 2 in the bucket of 16-31 requests), and measure the anchors around their choice once more (none
+    # runs `refresh` = 128 steps here), at most 4 + 2 steps of more than one row in all. The bucket of one request is not judged: it
     # runs first, while the acceptance is still unknown, so it may climb to 16 and take larger windows for a few
     # steps, as it should with a draft that might accept; and at one request every window costs about the same
     # (1.0-1.25 times a plain step), so its choice follows the timing noise (a fresh-clone run measured 0.089 s
@@ -468,7 +465,7 @@ def test_adaptive_window_is_lossless_and_falls_back_to_decoding(smol, adaptive_s
               if int(name.split("-")[0]) >= 8 and b["seconds"].get("2", 0) > 1.2 * b["seconds"]["1"]}
     assert {"8-15", "16-31"} & costly.keys(), buckets
     for name, b in costly.items():
-        assert b["best"] == 1 and sum(k > 1 for k in b["recent"]) <= 2, (name, b)
+        assert b["best"] == 1 and sum(k > 1 for k in b["recent"][-8:]) <= 2, (name, b)
         assert sum(n for k, n in b["chosen"].items() if k != "1") <= 6, (name, b)
     assert windows[1] > 0.6 * sum(windows) and windows[2] >= 1, windows
 
@@ -498,22 +495,18 @@ def tree_start(smol, tmp_path_factory, *args: str):
         env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"})
 
 
-@pytest.fixture
-def tree_server(smol, tmp_path_factory, request):  # adaptive budgets
-    server, files = take_early("tree_server", lambda: tree_start(smol, tmp_path_factory, "--speculative-adaptive"))
-    start_early(request, "tree_pages_server", lambda: tree_start(smol, tmp_path_factory, *TREE_PAGES))
-    with serving(server) as url:
-        yield {"url": url, **files}
-
-
 TREE_PAGES = ("--page-size", "16", "--chunked-prefill-size", "64")  # a fixed budget of 8 nodes
 
 
 @pytest.fixture
+def tree_server(smol, tmp_path_factory, request):  # adaptive budgets
+    yield from served(request, "tree_server", lambda: tree_start(smol, tmp_path_factory, "--speculative-adaptive"),
+                      beside={"tree_pages_server": lambda: tree_start(smol, tmp_path_factory, *TREE_PAGES)})
+
+
+@pytest.fixture
 def tree_pages_server(smol, tmp_path_factory):
-    server, files = take_early("tree_pages_server", lambda: tree_start(smol, tmp_path_factory, *TREE_PAGES))
-    with serving(server) as url:
-        yield {"url": url, **files}
+    yield from served(None, "tree_pages_server", lambda: tree_start(smol, tmp_path_factory, *TREE_PAGES))
 
 
 def test_tree_verification_is_lossless(smol, smol_base_url, oracle_server, tree_server):
