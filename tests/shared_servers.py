@@ -105,15 +105,21 @@ def stop_early():
     EARLY.clear()
 
 
+def start_with_files(smol, tmp_path_factory, name: str, *args: str, env: dict | None = None):
+    """A SmolLM2 server with its own stats file and log: (Server, {"stats", "log"})."""
+    folder = tmp_path_factory.mktemp(name)
+    files = {"stats": folder / "stats.json", "log": folder / "server.log"}
+    return start_server(smol["path"], *args, env={"SGLANG_DFLASH_STATS_FILE": str(files["stats"]), **(env or {})},
+                        log_path=str(files["log"])), files
+
+
 @pytest.fixture
-def trained_server(smollm2_path, tmp_path_factory, smol_base_url):
-    """{"url", "stats": its stats file}: DFLASH with the shipped trained draft, window 16, for one test (each
-    idle server holds about 4 GB of this machine's 24: the session keeps only those that several use). No
-    warm-up request, so that its stats file's histogram holds its test's requests only."""
-    stats = tmp_path_factory.mktemp("trained") / "stats.json"
-    with serving(start_server(smollm2_path, *dflash_args(TRAINED_DRAFT, "--skip-server-warmup"),
-                              env={"SGLANG_DFLASH_STATS_FILE": str(stats)})) as url:
-        yield {"url": url, "stats": stats}
+def trained_server(smol, tmp_path_factory):
+    """{"url", "stats", "log"}: DFLASH with the shipped trained draft, window 16, for one test (each idle server
+    holds about 4 GB of this machine's 24: the session keeps only those that several use). No warm-up request,
+    so that its stats file's histogram holds its test's requests only."""
+    yield from served(None, "trained_server", lambda: start_with_files(
+        smol, tmp_path_factory, "trained", *dflash_args(TRAINED_DRAFT, "--skip-server-warmup")))
 
 
 @pytest.fixture(scope="session")

@@ -14,9 +14,9 @@ import torch
 
 from conftest import chat_ids
 from sglang_dflash import bench
-from server import generate, kv_slots_in_use, oracle_env, sglang_server, sglang_servers, start_server
+from server import generate, kv_slots_in_use, oracle_env, sglang_server, sglang_servers
 from shared_servers import (NEW_TOKENS, PENALTY_TOKENS, TRAINED_DRAFT, dflash_args, run_all, save_random_draft,
-                            served, sixteen_of_forty)
+                            served, sixteen_of_forty, start_with_files)
 
 pytestmark = pytest.mark.server
 ONE_OF_EACH_SET = (0, 4, 8)  # tests/data/prompts.jsonl: gsm8k_test, humaneval, mt_bench
@@ -405,14 +405,6 @@ def test_verify_window_shorter_than_the_block(smol, smol_base_url, window4_url):
     print(f"window 4: oracle τ {[round(tau(o), 2) for o in outs[:4]]}, random draft τ {[round(tau(o), 2) for o in outs[4:]]}")
 
 
-def start_with_files(smol, tmp_path_factory, name: str, *args: str, env: dict | None = None):
-    """A SmolLM2 server with its own stats file and log: (Server, {"stats", "log"})."""
-    folder = tmp_path_factory.mktemp(name)
-    files = {"stats": folder / "stats.json", "log": folder / "server.log"}
-    return start_server(smol["path"], *args, env={"SGLANG_DFLASH_STATS_FILE": str(files["stats"]), **(env or {})},
-                        log_path=str(files["log"])), files
-
-
 # The two adaptive servers (random draft), started together, each for its own test.
 def adaptive_start(smol, tmp_path_factory):  # no window given: adaptive, 1 … the block
     return start_with_files(smol, tmp_path_factory, "adaptive", "--dtype", "float32", "--speculative-algorithm",
@@ -456,11 +448,11 @@ def test_adaptive_window_is_lossless_and_falls_back_to_decoding(smol, adaptive_s
     # measured again). These buckets run after the smaller ones have shown that the draft accepts nothing: they
     # climb from 1 to 2, or to 4 where a noisy 2-row step looked cheap (a fresh-clone run: 1, 2, 4, then 1 but
     # for one 2 in the bucket of 16-31 requests), and measure the anchors around their choice once more (none
-    # runs `refresh` = 128 steps here), at most 4 + 2 steps of more than one row in all. The bucket of one request is not judged: it
-    # runs first, while the acceptance is still unknown, so it may climb to 16 and take larger windows for a few
-    # steps, as it should with a draft that might accept; and at one request every window costs about the same
-    # (1.0-1.25 times a plain step), so its choice follows the timing noise (a fresh-clone run measured 0.089 s
-    # for 1 row, 0.138 s for 2 and 0.085 s for 4 there, and rightly chose 4).
+    # runs `refresh` = 128 steps here), at most 4 + 2 steps of more than one row in all. The bucket of one
+    # request is not judged: it runs first, while the acceptance is still unknown, so it may climb to 16 and take
+    # larger windows for a few steps, as it should with a draft that might accept; and at one request every window
+    # costs about the same (1.0-1.25 times a plain step), so its choice follows the timing noise (a fresh-clone
+    # run measured 0.089 s for 1 row, 0.138 s for 2 and 0.085 s for 4 there, and rightly chose 4).
     costly = {name: b for name, b in buckets.items()
               if int(name.split("-")[0]) >= 8 and b["seconds"].get("2", 0) > 1.2 * b["seconds"]["1"]}
     assert {"8-15", "16-31"} & costly.keys(), buckets
