@@ -47,6 +47,7 @@ def cmd_doctor(_args) -> int:
     for dist in ("torch", "sglang", "transformers", "sglang-kernel", "flashinfer-python", "triton"):
         print(f"{dist:<15} {version(dist)}")
     print(f"mode            {'GPU (NVIDIA driver found)' if gpu else 'CPU (no NVIDIA driver or device)'}")
+    print(f"MKL_CBWR        {os.environ.get('MKL_CBWR')} (cpu/runtime.py: mkl_mode)")
     if not gpu:
         stub = libcuda_stub_dir(build=False)
         print(f"cpu runtime     SGLANG_USE_CPU_ENGINE set by `sglang-dflash serve`; "
@@ -191,6 +192,11 @@ def _prompt_flags(p) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from sglang_dflash.cpu.runtime import mkl_mode
+
+    said = mkl_mode(os.environ)  # before any product: for this process and every one it starts
+    if said and argv[:1] != ["doctor"]:
+        print(said, file=sys.stderr)
     if argv[:1] == ["serve"]:  # everything after `serve` belongs to launch_server
         return cmd_serve(argv[1:])
     from sglang_dflash.bench import add_arguments as add_bench_arguments

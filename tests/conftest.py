@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from sglang_dflash.cpu.runtime import cache_dir
+from sglang_dflash.cpu.runtime import cache_dir, mkl_mode
 from sglang_dflash.targets import prepare_target
 from sglang_dflash.train.data import chat_ids  # noqa: F401  (the tests tokenize prompts as training does)
+
+mkl_mode(os.environ)  # as the CLI sets it for itself and its servers: before this process's first product
 
 DATA = Path(__file__).parent / "data"
 # Block ids for random drafts: SmolLM2 has no unused embedding row, so its drafts use

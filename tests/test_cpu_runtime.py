@@ -1,4 +1,5 @@
 import ctypes
+import os
 import subprocess
 import sys
 
@@ -27,8 +28,6 @@ def test_sgl_kernel_imports_with_the_cpu_env():
 
 @pytest.mark.unit
 def test_tp_settings_split_cores_and_disable_nccl(monkeypatch):
-    import os
-
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     argv, env = cpu_server_env(["--tp", "2", "--device", "cpu"], {})
     assert argv.count("--device") == 1
@@ -36,3 +35,30 @@ def test_tp_settings_split_cores_and_disable_nccl(monkeypatch):
     assert not os.path.exists(env["SGLANG_NCCL_SO_PATH"])
     _, env1 = cpu_server_env(["--tp-size=1"], {})
     assert "SGLANG_CPU_OMP_THREADS_BIND" not in env1
+
+
+@pytest.mark.unit
+def test_mkl_mode_is_set_unless_the_caller_chose():
+    from sglang_dflash.cpu.runtime import mkl_mode
+
+    env = {}
+    assert "MKL_CBWR=AUTO" in mkl_mode(env) and env == {"MKL_CBWR": "AUTO"}
+    env = {"MKL_CBWR": "COMPATIBLE"}
+    assert mkl_mode(env) is None and env == {"MKL_CBWR": "COMPATIBLE"}
+
+
+@pytest.mark.process
+def test_mkl_mode_takes_effect_when_set_before_the_first_product():
+    """MKL reads MKL_CBWR at a process's first product: set by mkl_mode after torch's import, it is the mode
+    MKL runs in (MKL_VERBOSE reports it with each call); without it MKL runs with CNR off."""
+    import torch
+
+    if not torch.backends.mkl.is_available():
+        pytest.skip("this torch has no MKL")
+    code = ("import os, torch\nfrom sglang_dflash.cpu.runtime import mkl_mode\n{}\n"
+            "torch.nn.functional.linear(torch.randn(2, 64), torch.randn(32, 64))")
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    for line, mode in (("mkl_mode(os.environ)", "CNR:AUTO"), ("", "CNR:OFF")):
+        r = subprocess.run([sys.executable, "-c", code.format(line)], env={**env, "MKL_VERBOSE": "1"},
+                           capture_output=True, text=True)
+        assert r.returncode == 0 and mode in r.stdout, (line, r.stdout[-500:], r.stderr[-500:])

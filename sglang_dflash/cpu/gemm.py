@@ -1,7 +1,7 @@
 """Float32 linear layers over a few rows, on the CPU: the verify forward's products.
 
-Measured on the project's 2-core machine (torch 2.14, float32, SmolLM2-135M's 30 layers and its
-lm_head with weights not in cache, ms per forward of M rows):
+Measured on one of the project's 2-core machines (AVX2 only; torch 2.14, MKL's default mode, float32,
+SmolLM2-135M's 30 layers and its lm_head with weights not in cache, ms per forward of M rows):
 
     M                      1     2     3     4     8    16    32    64
     F.linear(x, W)        53    94   122    75    73    81   111   168
@@ -19,6 +19,16 @@ loses (every linear layer of the 30 and the lm_head, weights cycled through memo
 so it is taken from 2 to FAST_MAX_ROWS rows: a verify batch of 16 requests × 16 rows or 128 × 4 (the
 window-4 server at load) takes SGLang's product.
 
+Those tables are MKL's default mode. With MKL_CBWR set (cpu/runtime.py's mkl_mode: `sglang-dflash serve`
+sets AUTO) x @ Wᵀ no longer falls off its cliff, and the other orientation wins at a few rows only (a 2-core
+AMD EPYC, Zen 4, AVX-512; the same 30 layers and lm_head, ms per forward):
+
+    M                      2     4     6     8    12    16    32    64
+    F.linear(x, W)        40    35    49    43    50    62    84   127
+    (W @ x.T).T           19    28    42    52    82    69    95   138
+
+so with MKL_CBWR set the fast path ends at FAST_MAX_ROWS_CBWR rows.
+
 `linear` computes the product the fast way. Inside `verify_scope()` the target's linear layers and
 its lm_head (SGLang's UnquantizedLinearMethod.apply and LogitsProcessor._compute_lm_head, hooked by
 the plugin on the CPU engine) use it too, for the DFLASH verify forward only: the server without
@@ -29,11 +39,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 
 import torch
 import torch.nn.functional as F
 
-FAST_MAX_ROWS = 64
+FAST_MAX_ROWS_CBWR = 6
+# MKL reads MKL_CBWR once, at a process's first product; a server's environment is set before it starts
+FAST_MAX_ROWS = FAST_MAX_ROWS_CBWR if os.environ.get("MKL_CBWR") else 64
 # Whether the current forward is a DFLASH verify forward: set by the worker around it (verify_scope), read by
 # the hooks below. A context variable, not a module global: it belongs to the thread (and task) that set it.
 _in_verify = contextvars.ContextVar("sglang_dflash_in_verify", default=False)

@@ -7,6 +7,8 @@ Facts behind each item are in the project's notes on SGLang 0.5.23 on CPU:
      (SGLANG_NCCL_SO_PATH pointing nowhere), so ranks talk over gloo.
 LD_LIBRARY_PATH is read when a process starts, so these settings are applied
 to a new process (see `cpu_server_env`), never patched into a running one.
+
+And, on any machine, for the CPU's float32 products: oneMKL's MKL_CBWR (`mkl_mode`).
 """
 
 from __future__ import annotations
@@ -63,6 +65,32 @@ def libcuda_stub_dir(build: bool = True) -> Path | None:
     subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(tmp), str(src)], check=True)
     tmp.replace(lib)
     return out_dir
+
+
+# oneMKL's conditional numerical reproducibility mode, set by the CLI for itself and every process it starts
+# (cli.main) unless the caller set it. Unset (CNR off), MKL's float32 products of a few rows take a slower
+# path: measured on a 2-core AMD EPYC (Zen 4, AVX-512) with torch 2.14's MKL 2024.2, SmolLM2-135M's linear
+# layers and lm_head per forward, weights cycled through memory (ms; F.linear, i.e. x @ Wᵀ):
+#
+#     rows            1     2     4     8    16    64   256
+#     unset          43    78    79    57    68   133   440
+#     MKL_CBWR=AUTO  45    40    35    40    52   127   413
+#
+# SGLang's float32 decode of the tests' 40 prompts at concurrency 16 took 58.0 s against 73.7 s unset; a
+# Transformers forward of 8 tokens 55 against 92 ms. AUTO is MKL's own choice of code path for the CPU; only
+# the order of float32 additions changes, as it does between any two product kernels (cpu/gemm.py).
+MKL_MODE = ("MKL_CBWR", "AUTO")
+
+
+def mkl_mode(env) -> str | None:
+    """Sets MKL_CBWR=AUTO in env (os.environ: before the process's first product, when MKL reads it) unless
+    it is set; returns the line that says so, or None when the caller's value stands."""
+    name, value = MKL_MODE
+    if name in env:
+        return None
+    env[name] = value
+    return (f"sglang-dflash: {name}={value} (oneMKL picks its code path for this CPU: float32 products of a few rows "
+            f"run up to twice as fast; set {name} to choose otherwise)")
 
 
 def _tp_size(argv: list[str]) -> int:
