@@ -638,33 +638,66 @@ BAD_LAUNCHES = {
 }
 
 
+# launched for real (a process that must exit without serving): a refusal of ours and one of SGLang's own; the
+# others are judged by tests/launch_refusals.py, the launch's own steps up to where they stop it, in one process
+LAUNCHED = ("block size", "missing draft")
+
+
 @pytest.fixture(scope="module")
 def bad_launches(smol, tmp_path_factory) -> dict:
-    """Every BAD_LAUNCHES server started, two at a time (a failing start-up is one core's imports):
-    {name: (draft path, return code, output)}."""
+    """{name: (draft path, return code, output)} of every BAD_LAUNCHES case: LAUNCHED ones started as servers,
+    the rest (and "block size" again, and a good launch's arguments) judged in one interpreter, all at once
+    (each a core's imports, mostly). The judge must refuse "block size" as its launch did, and pass the good."""
     import subprocess
     import sys
 
-    def launch(name):
-        change, options, _ = BAD_LAUNCHES[name]
+    from sglang_dflash.cpu.runtime import cpu_server_env
+
+    def draft_for(name):
+        change = BAD_LAUNCHES[name][0]
         draft = tmp_path_factory.mktemp("bad") / "draft"
         if change is not None:
             draft.mkdir()
             cfg = json.loads((smol["draft"] / "config.json").read_text())
             (draft / "config.json").write_text(json.dumps({**cfg, **change}))
             (draft / "model.safetensors").symlink_to(smol["draft"] / "model.safetensors")
-        r = subprocess.run([sys.executable, "-m", "sglang_dflash.cli", "serve", "--model-path", str(smol["path"]),
-                            *dflash_args(draft, *options)], capture_output=True, text=True, timeout=300)
-        return draft, r.returncode, r.stdout + r.stderr
+        return draft
 
-    with ThreadPoolExecutor(2) as pool:
-        return dict(zip(BAD_LAUNCHES, pool.map(launch, BAD_LAUNCHES)))
+    drafts = {name: draft_for(name) for name in BAD_LAUNCHES}
+    argv = lambda name: ["--model-path", str(smol["path"]), *dflash_args(drafts[name], *BAD_LAUNCHES[name][1])]  # noqa: E731
+
+    def launch(name):
+        r = subprocess.run([sys.executable, "-m", "sglang_dflash.cli", "serve", *argv(name)], capture_output=True,
+                           text=True, timeout=300)
+        return r.returncode, r.stdout + r.stderr
+
+    judged = [name for name in BAD_LAUNCHES if name not in LAUNCHED] + ["block size"]
+    cases = [argv(name) for name in judged] + [["--model-path", str(smol["path"]), *dflash_args(smol["draft"])]]
+
+    def judge():
+        r = subprocess.run([sys.executable, str(Path(__file__).parent / "launch_refusals.py")], input=json.dumps(cases),
+                           env=cpu_server_env([])[1], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout)
+
+    with ThreadPoolExecutor(3) as pool:
+        verdicts = pool.submit(judge)
+        launched = dict(zip(LAUNCHED, pool.map(launch, LAUNCHED)))
+        verdicts = verdicts.result()
+    *refused, block_size_again, good = verdicts
+    assert good is None, f"the judge refused a good launch: {good}"
+    launched_out = launched["block size"][1]
+    assert block_size_again and block_size_again in launched_out, (block_size_again, launched_out[-3000:])
+    out = {name: (drafts[name], *launched[name]) for name in LAUNCHED}
+    out.update({name: (drafts[name], 1 if why else 0, why or "") for name, why in zip(judged, refused)})
+    return out
 
 
 @pytest.mark.parametrize("name", BAD_LAUNCHES)
 def test_a_bad_draft_or_option_stops_the_server(bad_launches, name):
     """A bad draft or an option the worker cannot honour stops the server at start-up, never half-running,
-    with an error that names the problem."""
+    with an error that names the problem (LAUNCHED: a server process that exits; the others: the error the
+    launch's argument resolution stops with, bad_launches)."""
     draft, returncode, out = bad_launches[name]
     message = BAD_LAUNCHES[name][2]
     assert returncode != 0 and "Uvicorn running" not in out, out[-3000:]
