@@ -92,6 +92,7 @@ class DFlashWorker(SGLangSpecWorker):
             if self.settings.stats_file else NO_STATS
         self.warned_custom = False
         self.adaptive = self.window_policy()
+        self.cut_rows = not self.graphs()  # rows_used
         attn = self.draft_model.layers[0].self_attn
         step_ops = "CUDA kernels" if kernels.extension_available() and self.device != "cpu" else "torch twins"
         logger.info("sglang-dflash %s DFLASH worker: draft %s (%d layers, block %d, target layers %s), %s, "
@@ -294,24 +295,42 @@ class DFlashWorker(SGLangSpecWorker):
         --speculative-num-draft-tokens given, or --speculative-adaptive), else every step verifies the window."""
         if not (self.spec_args.speculative_adaptive and self.window >= 2):
             return None
-        graphs = str(self.device).startswith("cuda") and not self.spec_args.disable_cuda_graph
         # with CUDA graphs: measured anchors only (window.py); with k > 1 the window is the tree's node budget
-        return AdaptiveWindow(self.window, anchors_only=graphs, chain=self.topk == 1)
+        return AdaptiveWindow(self.window, anchors_only=self.graphs(), chain=self.topk == 1)
+
+    def graphs(self) -> bool:
+        """Whether the target's verify forward replays CUDA graphs (captured for the anchor windows)."""
+        return str(self.device).startswith("cuda") and not self.spec_args.disable_cuda_graph
 
     def choose_window(self, batch) -> int:
         """The step's verify window: K, or when adaptive the one expected to commit the most tokens per second
         at this batch size (window.py). Seeded requests keep the fixed window K: their tokens then depend on
-        the seed alone, not on the load."""
+        the seed alone, not on the load. A chain's window is then cut to the rows its requests can use
+        (rows_used)."""
         if self.adaptive is None or batch.sampling_info.sampling_seed is not None:
-            return self.window
+            return self.rows_used(batch, self.window)
         bs = batch.batch_size()
         k = self.adaptive.choose(bs)
         if self.tp_size > 1:  # step times differ between ranks: rank 0 decides
             chosen = torch.tensor([k], device=self.device)
             self.tp_broadcast(chosen)
             k = int(chosen)
+        k = self.rows_used(batch, k)
         self.adaptive.start_step(bs, k)
         return k
+
+    def rows_used(self, batch, K: int) -> int:
+        """K, or fewer rows where no request of the batch can use K: row j decides a request's (j+1)-th new
+        token (accepting or rejecting draft j+1, or drawing the target's own), from rows 0 … j alone, so with
+        at most n tokens left to any request (max_new_tokens) rows past n + 1 change no token nor its
+        distribution, seeded or not: the last steps of short requests verify fewer rows. Not for a tree
+        (its budget buys siblings, not depth) nor where the target's CUDA graph, captured for K, would replay."""
+        if self.topk > 1 or not self.cut_rows:
+            return K
+        left = [req.sampling_params.max_new_tokens for req in batch.reqs]
+        if None in left:  # no limit given (SGLang sets one from the context length; unreached here)
+            return K
+        return min(K, max(n - len(req.output_ids) for n, req in zip(left, batch.reqs)) + 1)
 
     @staticmethod
     def host_max(batch) -> int | None:

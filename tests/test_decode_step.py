@@ -150,7 +150,7 @@ def make_worker(monkeypatch):
             device="cpu", dtype=torch.float32, block_size=block_size,
             window=window, config=SimpleNamespace(mask_token_id=MASK), page_size=page_size, embed=embed,
             head=DraftHead(torch.eye(V) * (SCALE if topk == 1 else TREE_SCALE), V), draft=draft, tp_size=1,
-            adaptive=None, stats=NO_STATS, warned_custom=False, topk=topk)
+            adaptive=None, stats=NO_STATS, warned_custom=False, topk=topk, cut_rows=True)
         return w
 
     return make
@@ -159,9 +159,10 @@ def make_worker(monkeypatch):
 SLOTS = 1000 * 16 + 4 * 128  # the KV pool's slots: make_batch's for up to 4 request rows, pages of up to 16
 
 
-def make_batch(prefix_lens, bonus, pool_indices, sampled, page_size, width=128):
+def make_batch(prefix_lens, bonus, pool_indices, sampled, page_size, width=128, left=None):
     """The scheduler's batch at a decode step: committed lengths, bonus tokens, req_to_token rows with
-    slots reserved for every position (distinct, page-aligned: slot = page * page_size + offset)."""
+    slots reserved for every position (distinct, page-aligned: slot = page * page_size + offset); each request
+    with `left` (or 100) new tokens still to come before its max_new_tokens (one, the bonus, is out)."""
     g = torch.Generator().manual_seed(0)
     rows = max(pool_indices) + 1
     pages = torch.randperm(rows * width // page_size, generator=g).view(rows, width // page_size) + 1000
@@ -174,12 +175,16 @@ def make_batch(prefix_lens, bonus, pool_indices, sampled, page_size, width=128):
                            top_ks=torch.tensor([V if s else 1 for s in sampled]), top_ps=torch.ones(bs),
                            min_ps=torch.zeros(bs), need_min_p_sampling=False, sampling_seed=None, logit_bias=None,
                            has_custom_logit_processor=False)
-    no_penalty = SimpleNamespace(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=0)
+    left = left or [100] * bs
+    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(frequency_penalty=0.0, presence_penalty=0.0,
+                                                            repetition_penalty=1.0, min_new_tokens=0,
+                                                            max_new_tokens=n + 1), output_ids=[b])
+            for n, b in zip(left, bonus)]
     return SimpleNamespace(
         seq_lens=torch.tensor(prefix_lens), seq_lens_cpu=torch.tensor(prefix_lens), seq_lens_sum=sum(prefix_lens),
         req_pool_indices=torch.tensor(pool_indices), req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
         spec_info=make_draft_input(torch.tensor(bonus), torch.tensor(prefix_lens)), sampling_info=info,
-        reqs=[SimpleNamespace(sampling_params=no_penalty) for _ in prefix_lens], has_grammar=False,
+        reqs=reqs, has_grammar=False,
         return_logprob=False, out_cache_loc=None, batch_size=lambda: bs)
 
 
@@ -187,12 +192,14 @@ def slot_of(batch, i, position):
     return int(batch.req_to_token_pool.req_to_token[batch.req_pool_indices[i], position])
 
 
-def run_steps(worker, batch, plans: list[dict[int, int]]):
-    """Decode steps with each step's plan; after each, check it against the rule and carry its result
-    into the batch as the scheduler does. Returns every request's emitted tokens."""
-    bs, K = batch.seq_lens.numel(), worker.window
+def run_steps(worker, batch, plans: list[dict[int, int]], windows: list[int] | None = None):
+    """Decode steps with each step's plan (and rows verified: the worker's window, or `windows`); after each,
+    check it against the rule and carry its result into the batch as the scheduler does. Returns every
+    request's emitted tokens."""
+    bs = batch.seq_lens.numel()
     emitted = [[] for _ in range(bs)]
-    for plan in plans:
+    for step, plan in enumerate(plans):
+        K = worker.window if windows is None else windows[step]
         worker.draft.plan = plan
         worker.draft.writes.clear()
         worker._target_worker.verified.clear()
@@ -237,6 +244,8 @@ def run_steps(worker, batch, plans: list[dict[int, int]]):
         batch.seq_lens_cpu = res.new_seq_lens.clone()
         batch.seq_lens_sum = int(res.new_seq_lens.sum())
         batch.spec_info = res.next_draft_input
+        for req, c in zip(batch.reqs, commit):
+            req.output_ids += [0] * c
     return emitted
 
 
@@ -254,6 +263,22 @@ def test_accept_lengths_zero_to_k_minus_one(make_worker, block, window, page):
     emitted = run_steps(worker, batch, plans)
     for i in range(4):  # three steps of one decoding: the target's continuation of the bonus token
         assert emitted[i] == truth(BONUS[i], PREFIXES[i], len(emitted[i]) + 1)[1:]
+
+
+def test_rows_no_request_can_use_are_not_verified(make_worker):
+    """With at most n new tokens left to any request of the batch, a step verifies min(K, n + 1) rows: rows
+    0 … n-1 decide the n tokens (row n-1 judging draft n, as in any larger window), row n's bonus is past
+    max_new_tokens. The tokens committed up to the limit are the full window's."""
+    # plans by pool row (POOL: batch position 0 is row 2, 1 row 0, 2 row 3, 3 row 1): the requests with 9 left
+    # accept 7 drafts (8 tokens), so 1 is left to any request (2 rows), then none (1 row, a plain decode step)
+    plans = [{0: 7, 1: 7, 2: 7, 3: 1}, {0: 7, 1: 0, 2: 7, 3: 7}, {0: 7, 1: 7, 2: 7, 3: 7}]
+    worker = make_worker(8, 8, 1, plans[0])
+    batch = make_batch(PREFIXES, BONUS, POOL, [False, True, False, False], 1, left=[9, 3, 2, 9])
+    emitted = run_steps(worker, batch, plans, windows=[8, 2, 1])
+    full = make_worker(8, 8, 1, plans[0])
+    long = run_steps(full, make_batch(PREFIXES, BONUS, POOL, [False, True, False, False], 1), plans[:2])
+    for i, n in enumerate([9, 3, 2, 9]):
+        assert emitted[i][:n] == long[i][:n] and len(emitted[i]) >= n
 
 
 def test_window_of_one_is_a_plain_decode_step(make_worker):

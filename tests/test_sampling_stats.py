@@ -18,7 +18,9 @@ pytestmark = pytest.mark.stats
 # Each case draws STAT_SAMPLES completions of 3 tokens from the DFLASH server with a verify window of 4
 # (on a 2-core AVX2 CPU a case took about 6 minutes with a 16-row verify per request to produce two
 # tokens; the accept rule's row count is a parameter that tests/test_accept.py enumerates). The first
-# token comes from the prefill; the next two from verify steps, so they go through rejection sampling.
+# token comes from the prefill; the next two from verify steps, so they go through rejection sampling (a
+# step verifies no more rows than the tokens left plus one, worker.rows_used: 3, then 2, each emitted token
+# still decided by a row that judges a draft, as in the full window).
 # On the "point-mass draft" prompt the oracle plugin proposes the greedy continuation (q is a point mass;
 # often accepted); on the "random draft" prompt the random draft samples its own proposals from its q
 # (almost always rejected: the residual path). Each case's samples are tested against the exact
