@@ -6,7 +6,7 @@ launch ("ValueError: …"), as a JSON list on stdout.
 The same steps as `sglang-dflash serve` (cli.cmd_serve: the CPU engine's arguments, then
 `python -m sglang.launch_server`, whose __main__ loads the plugins, parses the arguments and resolves them
 in run_server before anything is spawned), so a refusal raised there is the one a launch would stop with.
-Run with the environment `sglang-dflash serve` gives launch_server (cpu_server_env)."""
+Run with the environment `sglang-dflash serve` gives launch_server (on a machine without a GPU: cpu_server_env)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ def main() -> None:
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
 
-    from sglang_dflash.cpu.runtime import cpu_server_env
+    from sglang_dflash.cpu.runtime import cpu_server_env, gpu_present
 
     load_plugins()
+    cpu = not gpu_present()
     results = []
     for argv in json.load(sys.stdin):
-        argv, _ = cpu_server_env(argv, {})
+        if cpu:
+            argv, _ = cpu_server_env(argv, {})
         try:
             prepare_server_args(argv).resolve_once()
             results.append(None)

@@ -654,7 +654,9 @@ def bad_launches(smol, tmp_path_factory) -> dict:
     import subprocess
     import sys
 
-    from sglang_dflash.cpu.runtime import cpu_server_env
+    import os
+
+    from sglang_dflash.cpu.runtime import cpu_server_env, gpu_present
 
     def draft_for(name):
         change = BAD_LAUNCHES[name][0]
@@ -679,7 +681,8 @@ def bad_launches(smol, tmp_path_factory) -> dict:
 
     def judge():
         r = subprocess.run([sys.executable, str(Path(__file__).parent / "launch_refusals.py")], input=json.dumps(cases),
-                           env=cpu_server_env([])[1], capture_output=True, text=True, timeout=300)
+                           env=dict(os.environ) if gpu_present() else cpu_server_env([])[1], capture_output=True,
+                           text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         return json.loads(r.stdout)
 
