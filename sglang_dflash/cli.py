@@ -19,11 +19,9 @@ def parse_bool(text: str) -> bool:
 
 def cmd_serve(argv: list[str]) -> int:
     """Run `python -m sglang.launch_server ARGS`, prepared for this machine (CPU engine when there is no GPU)."""
-    from sglang_dflash.cpu.runtime import cpu_server_env, gpu_present
+    from sglang_dflash.cpu.runtime import serve_setup
 
-    env = dict(os.environ)
-    if not gpu_present():
-        argv, env = cpu_server_env(argv, env)
+    argv, env = serve_setup(argv)
     cmd = [sys.executable, "-m", "sglang.launch_server", *argv]
     os.execvpe(cmd[0], cmd, env)
     return 0  # not reached

@@ -3,10 +3,10 @@ argument lists in one interpreter: `python tests/launch_refusals.py` reads a JSO
 stdin and writes, for each, null (the arguments resolve: the server would start) or the error that stops the
 launch ("ValueError: …"), as a JSON list on stdout.
 
-The same steps as `sglang-dflash serve` (cli.cmd_serve: the CPU engine's arguments, then
+The same steps as `sglang-dflash serve` (cli.cmd_serve: serve_setup's arguments, then
 `python -m sglang.launch_server`, whose __main__ loads the plugins, parses the arguments and resolves them
 in run_server before anything is spawned), so a refusal raised there is the one a launch would stop with.
-Run with the environment `sglang-dflash serve` gives launch_server (on a machine without a GPU: cpu_server_env)."""
+Run with the environment `sglang-dflash serve` gives launch_server (cpu/runtime.py: serve_setup)."""
 
 from __future__ import annotations
 
@@ -18,14 +18,12 @@ def main() -> None:
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
 
-    from sglang_dflash.cpu.runtime import cpu_server_env, gpu_present
+    from sglang_dflash.cpu.runtime import serve_setup
 
     load_plugins()
-    cpu = not gpu_present()
     results = []
     for argv in json.load(sys.stdin):
-        if cpu:
-            argv, _ = cpu_server_env(argv, {})
+        argv, _ = serve_setup(argv)
         try:
             prepare_server_args(argv).resolve_once()
             results.append(None)

@@ -654,9 +654,7 @@ def bad_launches(smol, tmp_path_factory) -> dict:
     import subprocess
     import sys
 
-    import os
-
-    from sglang_dflash.cpu.runtime import cpu_server_env, gpu_present
+    from sglang_dflash.cpu.runtime import serve_setup
 
     def draft_for(name):
         change = BAD_LAUNCHES[name][0]
@@ -681,8 +679,7 @@ def bad_launches(smol, tmp_path_factory) -> dict:
 
     def judge():
         r = subprocess.run([sys.executable, str(Path(__file__).parent / "launch_refusals.py")], input=json.dumps(cases),
-                           env=dict(os.environ) if gpu_present() else cpu_server_env([])[1], capture_output=True,
-                           text=True, timeout=300)
+                           env=serve_setup([])[1], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         return json.loads(r.stdout)
 

@@ -107,6 +107,14 @@ def _has_flag(argv: list[str], *flags: str) -> bool:
     return any(a == f or a.startswith(f + "=") for a in argv for f in flags)
 
 
+def serve_setup(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """What `sglang-dflash serve ARGS` hands launch_server: on a machine without a GPU the CPU engine's
+    arguments and environment (cpu_server_env), else the arguments and this process's environment unchanged."""
+    if gpu_present():
+        return list(argv), dict(os.environ)
+    return cpu_server_env(argv)
+
+
 def cpu_server_env(argv: list[str], env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """The launch_server arguments and environment for SGLang's CPU engine.
 
